@@ -1,0 +1,193 @@
+"""Spectra of every layer's F_t and their principal subspaces (design.md §2, §3).
+
+Two orderings of the eigenvalues lambda of F:
+
+    shifted   by |1 + lambda|  (what x <- N2(x + F x) converges to; the default)
+    plain     by |lambda|      (the paper's wording)
+
+The *principal group* of an ordering is every eigenvalue whose key is within
+``group_rtol`` (relative) of the largest key: a complex pair, a repeated or a
+near-repeated top eigenvalue is always a group, never one arbitrary eigenvector.
+Its invariant subspace is read off an ordered real Schur form, so it is an
+orthonormal real basis even for a defective eigenvalue; for a complex pair the
+basis (e1, e2) is oriented so that I + F rotates coordinates counter-clockwise, by
+arg(1 + lambda1) with Im lambda1 > 0.
+
+Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only; on accelerators use
+:mod:`powerlens.dynamics.power` for the top subspace.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.linalg
+from flax import struct
+
+ORDERS = ("shifted", "plain")
+
+
+def check_order(order: str) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; expected one of {ORDERS}")
+    return order
+
+
+def order_key(eigenvalues, order: str):
+    check_order(order)
+    return np.abs(1.0 + eigenvalues) if order == "shifted" else np.abs(eigenvalues)
+
+
+@dataclasses.dataclass
+class OrderedSpectrum:
+    """One layer's spectrum in one ordering."""
+
+    eigenvalues: np.ndarray      # (d,) complex, sorted by decreasing key
+    top: complex                 # lambda_1 (Im >= 0 for a complex pair)
+    dim: int                     # dimension of the principal invariant subspace
+    basis: np.ndarray            # (d, dim) orthonormal real basis
+    mu1: float                   # key of the top group
+    mu2: float                   # key of the first eigenvalue outside it (0 if none)
+    is_complex: bool
+
+    @property
+    def ratio(self) -> float:
+        """|mu2 / mu1|: the power-method rate toward the principal subspace."""
+        return float(self.mu2 / self.mu1) if self.mu1 > 0 else float("nan")
+
+    @property
+    def gap(self) -> float:
+        return float(self.mu1 - self.mu2)
+
+
+@dataclasses.dataclass
+class LayerSpectrum:
+    layer: int
+    shifted: OrderedSpectrum
+    plain: OrderedSpectrum
+
+    @property
+    def orderings_differ(self) -> bool:
+        """True when the shifted principal eigenvalue is not in the plain principal group."""
+        g = self.plain.eigenvalues[: self.plain.dim]
+        t = self.shifted.top
+        tol = 1e-6 * (1.0 + abs(t))
+        return bool(np.min(np.abs(g - t)) > tol and np.min(np.abs(g - np.conj(t))) > tol)
+
+    def get(self, order: str) -> OrderedSpectrum:
+        return getattr(self, check_order(order))
+
+    def to_json(self, top_k: int = 8) -> dict:
+        pair = lambda ev: [[float(z.real), float(z.imag)] for z in ev[:top_k]]
+        return {
+            "layer": self.layer,
+            "eigenvalues_shifted": pair(self.shifted.eigenvalues),
+            "eigenvalues_plain": pair(self.plain.eigenvalues),
+            "orderings_differ": self.orderings_differ,
+            "ratio": self.shifted.ratio,
+            "ratio_plain": self.plain.ratio,
+            "gap": self.shifted.gap,
+            "gap_plain": self.plain.gap,
+            "complex": self.shifted.is_complex,
+            "complex_plain": self.plain.is_complex,
+            "dim": self.shifted.dim,
+            "dim_plain": self.plain.dim,
+            "rotation_per_step": float(abs(np.angle(1.0 + self.shifted.top))),
+        }
+
+
+def _ordered(F: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
+    w = np.linalg.eigvals(F)
+    if not np.all(np.isfinite(w)):
+        raise ValueError("F has non-finite eigenvalues (non-finite weights?)")
+    key = order_key(w, order)
+    idx = np.argsort(-key, kind="stable")
+    w, key = w[idx], key[idx]
+    mu1 = float(key[0])
+    in_group = key >= mu1 * (1.0 - group_rtol) - 1e-12
+    dim = int(in_group.sum())
+    mu2 = float(key[dim]) if dim < len(key) else 0.0
+    # canonical order inside the group: Im >= 0 first
+    top = w[0] if w[0].imag >= 0 else np.conj(w[0])
+    threshold = 0.5 * (float(key[dim - 1]) + mu2) if dim < len(key) else -1.0
+    if order == "shifted":
+        select = lambda re, im: np.hypot(1.0 + re, im) > threshold
+    else:
+        select = lambda re, im: np.hypot(re, im) > threshold
+    _, Z, sdim = scipy.linalg.schur(F, output="real", sort=select)
+    if sdim != dim:  # Schur's own eigenvalues fell on the other side: trust Schur
+        dim = int(sdim)
+    basis = np.array(Z[:, :dim], dtype=F.dtype)
+    is_complex = bool(abs(top.imag) > 1e-9 * (1 + abs(top)))
+    if dim == 2 and is_complex:
+        T2 = basis.T @ F @ basis
+        if T2[1, 0] - T2[0, 1] < 0:
+            basis[:, 1] *= -1
+    return OrderedSpectrum(eigenvalues=w, top=complex(top), dim=dim, basis=basis,
+                           mu1=mu1, mu2=mu2, is_complex=is_complex)
+
+
+def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
+    """Spectra of a stack F (U, d, d) in both orderings, one :class:`LayerSpectrum` each."""
+    F = np.asarray(F, dtype=np.float64)
+    if F.ndim == 2:
+        F = F[None]
+    if F.ndim != 3 or F.shape[1] != F.shape[2]:
+        raise ValueError(f"F must have shape (L, d, d), got {F.shape}")
+    if not np.all(np.isfinite(F)):
+        raise ValueError("F contains non-finite values")
+    return [LayerSpectrum(layer=i, shifted=_ordered(f, "shifted", group_rtol), plain=_ordered(f, "plain", group_rtol))
+            for i, f in enumerate(F)]
+
+
+def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:
+    return [s.to_json(top_k) for s in spectra]
+
+
+# ------------------------------------------------------------------ reference subspaces
+
+REFERENCES = ("principal", "random", "other_layer")
+
+
+@struct.dataclass
+class Subspaces:
+    """Reference subspaces for the measures inside the simulation scan.
+
+    basis (U, m, d, k): for each unique layer, m orthonormal bases zero-padded to k
+    columns; reference 0 is the principal subspace, 1 a random subspace of equal
+    dimension (control), 2 the principal subspace of another layer (control).
+    dim (U, m) int: the true dimension of each (0 = undefined).
+    """
+
+    basis: jax.Array
+    dim: jax.Array
+
+
+def reference_subspaces(spectra: List[LayerSpectrum], *, order: str = "shifted", seed: int = 0,
+                        dtype=jnp.float32) -> Subspaces:
+    """Principal, random-control and other-layer-control subspaces for every layer.
+
+    The other-layer control of layer u is the principal subspace of layer (u + U//2) mod U
+    (undefined, dim 0, when there is a single layer).
+    """
+    check_order(order)
+    rng = np.random.default_rng(seed)
+    U = len(spectra)
+    d = spectra[0].shifted.basis.shape[0]
+    prin = [s.get(order).basis for s in spectra]
+    rand = []
+    from .measures import random_subspace
+    for b in prin:
+        rand.append(random_subspace(rng, d, b.shape[1]))
+    other = [prin[(u + max(U // 2, 1)) % U] if U > 1 else np.zeros((d, 0)) for u in range(U)]
+    k = max(max(b.shape[1] for b in prin), 1)
+    basis = np.zeros((U, 3, d, k))
+    dim = np.zeros((U, 3), np.int32)
+    for u in range(U):
+        for r, b in enumerate((prin[u], rand[u], other[u])):
+            basis[u, r, :, : b.shape[1]] = b
+            dim[u, r] = b.shape[1]
+    return Subspaces(basis=jnp.asarray(basis, dtype), dim=jnp.asarray(dim))

@@ -1,0 +1,101 @@
+"""Attention patterns and the head-wise mixing M_h = A_h X.
+
+Modes (design.md §1):
+
+    softmax   A_h = softmax(scale (X W_qh^T + b_qh)(X W_kh^T + b_kh)^T + mask), with the
+              causal mask, a local window (token i sees j with i - window < j <= i) and a
+              key padding mask; RoPE on q and k when the config asks for it.
+    uniform   A = 1/n over the valid tokens, or the causal mean over j <= i.
+    identity  A = I.
+
+All functions are written for one prompt, X (n, d), ``valid`` (n,) bool, and are
+batched with ``vmap``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ATTENTION_MODES = ("softmax", "uniform", "identity")
+
+
+def check_attention(mode: str) -> str:
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTENTION_MODES}")
+    return mode
+
+
+def allowed_keys(n: int, valid, *, causal: bool, window=0):
+    """Boolean (n, n): may query i attend to key j."""
+    i = jnp.arange(n)[:, None]
+    j = jnp.arange(n)[None, :]
+    ok = jnp.broadcast_to(valid[None, :], (n, n))
+    if causal:
+        ok = ok & (j <= i)
+        ok = ok & ((window <= 0) | (j > i - window))
+    else:
+        ok = ok & ((window <= 0) | (jnp.abs(i - j) < window))
+    return ok
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def apply_rope(x, positions, theta: float, rope_dim=None):
+    """Hugging Face (``rotate_half``) rotary embedding on the last axis of x (..., n, e)."""
+    e = x.shape[-1]
+    r = e if rope_dim is None else rope_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    xr, xp = x[..., :r], x[..., r:]
+    xr = xr * cos + rotate_half(xr) * sin
+    return jnp.concatenate([xr, xp], axis=-1) if r < e else xr
+
+
+def queries_keys(lp, X, positions):
+    """q (H, n, e) and k (H, n, e) of one layer, with biases and RoPE; k expanded to H heads."""
+    cfg = lp.config
+    q = jnp.einsum("hed,nd->hne", lp.W_q, X)
+    k = jnp.einsum("ged,nd->gne", lp.W_k, X)
+    if lp.b_q is not None:
+        q = q + lp.b_q[:, None, :]
+    if lp.b_k is not None:
+        k = k + lp.b_k[:, None, :]
+    if cfg.rope_theta is not None:
+        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
+        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
+    return q, jnp.repeat(k, cfg.kv_group, axis=0)
+
+
+def softmax_weights(lp, X, valid, positions=None):
+    """Softmax attention weights of one layer: (H, n, n), rows sum to 1."""
+    n = X.shape[0]
+    if positions is None:
+        positions = jnp.arange(n)
+    q, k = queries_keys(lp, X, positions)
+    s = lp.scale * jnp.einsum("hie,hje->hij", q, k)
+    ok = allowed_keys(n, valid, causal=lp.config.causal, window=lp.window)
+    s = jnp.where(ok[None], s, jnp.finfo(s.dtype).min)
+    return jax.nn.softmax(s, axis=-1)
+
+
+def uniform_weights(n: int, valid, causal: bool, dtype=jnp.float32):
+    """Uniform attention (n, n): mean over the valid (and, if causal, earlier) tokens."""
+    ok = allowed_keys(n, valid, causal=causal).astype(dtype)
+    return ok / jnp.maximum(ok.sum(-1, keepdims=True), 1)
+
+
+def attention_weights(lp, X, valid, mode: str, positions=None):
+    """A of one layer in the given mode: (H, n, n) for softmax, (1, n, n) otherwise."""
+    n = X.shape[0]
+    if mode == "softmax":
+        return softmax_weights(lp, X, valid, positions)
+    if mode == "uniform":
+        return uniform_weights(n, valid, lp.config.causal, X.dtype)[None]
+    if mode == "identity":
+        return jnp.eye(n, dtype=X.dtype)[None]
+    raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTENTION_MODES}")

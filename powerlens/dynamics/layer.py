@@ -1,0 +1,116 @@
+"""One layer of the token dynamics, for each rule of design.md §1.
+
+    attn(X)_i = sum_h O_h V_h (A_h X)_i  (+ c = O b_v + b_o when ``keep_bias``)
+
+    paper    X <- N2(X + attn(X))                   FFN dropped, c dropped by default
+    post_ln  X <- LN(X + attn(X))                   BERT/ALBERT attention sub-layer
+    pre_ln   X <- X + attn(LN(X))                   GPT-2/GPT-Neo/Llama attention sub-layer
+    full     the model's own block, FFN included (post: LN2(h + FFN(h)), h = LN1(X + attn X);
+             pre: h + FFN(LN2 h), h = X + attn(LN1 X))
+
+Every function takes one unique layer's parameters ``lp`` (leading axis removed) and
+one prompt X (n, d) with its ``valid`` mask (n,).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .attention import attention_weights, check_attention
+from .norms import apply_norm, l2_normalize
+
+RULES = ("paper", "post_ln", "pre_ln", "full")
+
+
+def check_rule(rule: str) -> str:
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; expected one of {RULES}")
+    return rule
+
+
+def default_keep_bias(rule: str) -> bool:
+    """The constant c = O b_v + b_o is dropped by the ``paper`` rule, kept by the others."""
+    return rule != "paper"
+
+
+def attention_output(lp, X, valid, *, attention: str = "softmax", keep_bias: bool = False, positions=None):
+    """attn(X) of one layer: (n, d).
+
+    Values are formed first (V_g X per key/value head), mixed by A, concatenated over
+    heads and projected by W_o, so the cost is that of a standard attention layer.
+    """
+    cfg = lp.config
+    A = attention_weights(lp, X, valid, attention, positions)          # (H|1, n, n)
+    V = jnp.einsum("ged,nd->gne", lp.W_v, X)                           # (G, n, e)
+    if attention == "softmax":
+        V = jnp.repeat(V, cfg.kv_group, axis=0)                        # (H, n, e)
+        M = jnp.einsum("hij,hje->ihe", A, V)
+    else:
+        M = jnp.repeat(jnp.einsum("ij,gje->ige", A[0], V), cfg.kv_group, axis=1)
+    n = X.shape[0]
+    out = M.reshape(n, -1) @ lp.W_o.T
+    if keep_bias:
+        if lp.b_v is not None:
+            b_v = jnp.repeat(lp.b_v, cfg.kv_group, axis=0).reshape(-1)
+            out = out + lp.W_o @ b_v
+        if lp.b_o is not None:
+            out = out + lp.b_o
+    return out
+
+
+def _norm(lp, X, which: str):
+    cfg = lp.config
+    scale = getattr(lp, f"{which}_scale")
+    bias = getattr(lp, f"{which}_bias")
+    return apply_norm(cfg.norm, X, scale, bias, cfg.norm_eps)
+
+
+def ffn(lp, X):
+    """The block's feed-forward network (n, d) -> (n, d)."""
+    act = lp.config.ffn_activation
+    if act is None or lp.W_in is None or lp.W_out is None:
+        raise ValueError("rule 'full' needs FFN parameters (W_in, W_out and ffn_activation); "
+                         "this system has none: load it from a checkpoint")
+    h = X @ lp.W_in.T
+    if lp.b_in is not None:
+        h = h + lp.b_in
+    if act == "gelu":
+        h = jax.nn.gelu(h, approximate=False)
+    elif act == "gelu_new":
+        h = jax.nn.gelu(h, approximate=True)
+    elif act == "relu":
+        h = jax.nn.relu(h)
+    elif act in ("silu_glu", "gelu_glu"):
+        g = X @ lp.W_gate.T
+        h = (jax.nn.silu(g) if act == "silu_glu" else jax.nn.gelu(g, approximate=True)) * h
+    out = h @ lp.W_out.T
+    if lp.b_out is not None:
+        out = out + lp.b_out
+    return out
+
+
+def layer_step(lp, X, valid, *, rule: str = "paper", attention: str = "softmax",
+               keep_bias: bool | None = None, positions=None):
+    """Apply one layer under ``rule``: (n, d) -> (n, d)."""
+    check_rule(rule)
+    check_attention(attention)
+    if keep_bias is None:
+        keep_bias = default_keep_bias(rule)
+    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions)
+    if rule == "paper":
+        return l2_normalize(X + attention_output(lp, X, valid, **kw))
+    if rule == "post_ln":
+        return _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
+    if rule == "pre_ln":
+        return X + attention_output(lp, _norm(lp, X, "norm"), valid, **kw)
+    # full
+    if lp.config.norm_placement == "post":
+        h = _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
+        return _norm(lp, h + ffn(lp, h), "ffn_norm")
+    h = X + attention_output(lp, _norm(lp, X, "norm"), valid, **kw)
+    return h + ffn(lp, _norm(lp, h, "ffn_norm"))
+
+
+def faithful_rule(config) -> str:
+    """The attention-only rule that matches how the model runs (``post_ln`` or ``pre_ln``)."""
+    return "post_ln" if config.norm_placement == "post" else "pre_ln"

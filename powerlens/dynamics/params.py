@@ -1,0 +1,246 @@
+"""Layer parameters: a pytree of stacked arrays plus a hashable static config.
+
+Shapes (U = number of *unique* layers, H = query heads, G = key/value heads,
+e = d_head, d = model width, f = FFN width)::
+
+    W_q (U, H, e, d)    b_q (U, H, e)
+    W_k (U, G, e, d)    b_k (U, G, e)
+    W_v (U, G, e, d)    b_v (U, G, e)
+    W_o (U, d, H*e)     b_o (U, d)
+    scale  (U,)   softmax scale of each layer (1/sqrt(e) for most families)
+    window (U,)   int, local attention window (0 = global)
+    norm_scale / norm_bias (U, d)       the attention sub-layer's norm
+    ffn_norm_scale / ffn_norm_bias (U, d), W_in (U, f, d), b_in (U, f),
+    W_gate (U, f, d), W_out (U, d, f), b_out (U, d)   only for rule ``full``
+
+Column-vector maths: a token x maps to ``F x`` with
+``F = sum_h O_h V_h = W_o @ concat_h(V_h)`` (d, d); with grouped-query attention
+each query head h uses the value head ``h // (H // G)``.
+
+The order in which the unique layers are applied is the static ``schedule`` of
+the config: ``None`` means ``0, 1, ..., U-1`` (a layer-varying model); a shared
+weight system is one layer with ``schedule = (0,) * T``; ALBERT's layer groups
+are a short tuple of group indices. Weights are never tiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+NORMS = ("l2", "layernorm", "rmsnorm")
+FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """Static (hashable) facts about a stack of attention layers.
+
+    Attributes:
+      d_model, n_heads, n_kv_heads, d_head: sizes.
+      causal: decoder mask (token i sees j <= i).
+      norm: the model's own norm kind (``layernorm`` or ``rmsnorm``; ``l2`` for
+        synthetic systems) used by the ``post_ln``/``pre_ln``/``full`` rules.
+      norm_eps: epsilon of that norm.
+      norm_placement: ``post`` (BERT/ALBERT) or ``pre`` (GPT-2/GPT-Neo/Llama);
+        chooses the faithful rule and the ``full`` block.
+      rope_theta: RoPE base, ``None`` for no rotary embedding.
+      rope_dim: number of rotated dimensions per head (``None`` = all).
+      ffn_activation: activation of the FFN for rule ``full`` (``None`` if absent).
+      schedule: static tuple of unique-layer indices applied one per step.
+      family: free-form family name, for reports.
+      parallel_residual: GPT-J/NeoX-style block (not used by the supported families).
+    """
+
+    d_model: int
+    n_heads: int
+    d_head: int
+    n_kv_heads: Optional[int] = None
+    causal: bool = False
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    norm_placement: str = "post"
+    rope_theta: Optional[float] = None
+    rope_dim: Optional[int] = None
+    ffn_activation: Optional[str] = None
+    schedule: Optional[Tuple[int, ...]] = None
+    family: str = "synthetic"
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", tuple(int(s) for s in self.schedule))
+        for name in ("d_model", "n_heads", "d_head", "n_kv_heads"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"LayerConfig.{name} must be a positive integer, got {v!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LayerConfig: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.norm not in NORMS:
+            raise ValueError(f"LayerConfig.norm must be one of {NORMS}, got {self.norm!r}")
+        if self.norm_placement not in ("post", "pre"):
+            raise ValueError(f"LayerConfig.norm_placement must be 'post' or 'pre', got {self.norm_placement!r}")
+        if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
+            raise ValueError(
+                f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    def steps_for(self, n_unique: int) -> Tuple[int, ...]:
+        """The schedule, defaulting to one step per unique layer."""
+        return self.schedule if self.schedule is not None else tuple(range(n_unique))
+
+
+@struct.dataclass
+class Layers:
+    """Stacked parameters of U unique attention layers (see module docstring)."""
+
+    W_q: Optional[jax.Array]
+    W_k: Optional[jax.Array]
+    W_v: jax.Array
+    W_o: jax.Array
+    scale: jax.Array
+    window: jax.Array
+    b_q: Optional[jax.Array] = None
+    b_k: Optional[jax.Array] = None
+    b_v: Optional[jax.Array] = None
+    b_o: Optional[jax.Array] = None
+    norm_scale: Optional[jax.Array] = None
+    norm_bias: Optional[jax.Array] = None
+    ffn_norm_scale: Optional[jax.Array] = None
+    ffn_norm_bias: Optional[jax.Array] = None
+    W_in: Optional[jax.Array] = None
+    b_in: Optional[jax.Array] = None
+    W_gate: Optional[jax.Array] = None
+    W_out: Optional[jax.Array] = None
+    b_out: Optional[jax.Array] = None
+    config: LayerConfig = struct.field(pytree_node=False, default=None)
+
+    @property
+    def n_unique(self) -> int:
+        return int(self.W_v.shape[0])
+
+    @property
+    def schedule(self) -> Tuple[int, ...]:
+        return self.config.steps_for(self.n_unique)
+
+    def layer(self, i) -> "Layers":
+        """The parameters of unique layer ``i`` with the leading axis removed."""
+        return jax.tree_util.tree_map(lambda a: a[i], self)
+
+    def with_schedule(self, schedule) -> "Layers":
+        sched = tuple(int(s) for s in schedule)
+        if not sched:
+            raise ValueError("schedule must contain at least one step")
+        bad = [s for s in sched if not 0 <= s < self.n_unique]
+        if bad:
+            raise ValueError(f"schedule refers to layer(s) {sorted(set(bad))} but only {self.n_unique} exist")
+        return self.replace(config=dataclasses.replace(self.config, schedule=sched))
+
+    def shared(self, layer: int, steps: int) -> "Layers":
+        """Unique layer ``layer`` iterated ``steps`` times as a shared-weight system.
+
+        Only that layer's arrays are kept (one copy) and the schedule is ``(0,)*steps``.
+        """
+        check_steps(steps)
+        if not -self.n_unique <= layer < self.n_unique:
+            raise ValueError(f"shared layer index {layer} out of range for {self.n_unique} layers")
+        one = jax.tree_util.tree_map(lambda a: a[layer:layer + 1] if layer != -1 else a[-1:], self)
+        return one.replace(config=dataclasses.replace(self.config, schedule=(0,) * int(steps)))
+
+
+def check_steps(steps) -> int:
+    if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps <= 0:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    return int(steps)
+
+
+def value_matrix(layers: Layers) -> jax.Array:
+    """V_cat expanded to the query heads: (U, H*e, d).
+
+    With grouped-query attention key/value head g serves query heads
+    ``g*group, ..., g*group + group - 1`` (Hugging Face ``repeat_kv`` order).
+    """
+    cfg = layers.config
+    W_v = jnp.repeat(layers.W_v, cfg.kv_group, axis=-3)  # (U, H, e, d)
+    U, H, e, d = W_v.shape
+    return W_v.reshape(U, H * e, d)
+
+
+def layer_matrices(layers: Layers) -> jax.Array:
+    """F_t = W_o @ V_cat for every unique layer: (U, d, d)."""
+    return jnp.einsum("udk,ukc->udc", layers.W_o, value_matrix(layers))
+
+
+def constant_term(layers: Layers) -> jax.Array:
+    """c = O b_v + b_o (U, d): the part of the attention output that does not depend on X."""
+    U, d = layers.W_o.shape[0], layers.W_o.shape[1]
+    c = jnp.zeros((U, d), layers.W_o.dtype)
+    if layers.b_v is not None:
+        b_v = jnp.repeat(layers.b_v, layers.config.kv_group, axis=-2).reshape(U, -1)
+        c = c + jnp.einsum("udk,uk->ud", layers.W_o, b_v)
+    if layers.b_o is not None:
+        c = c + layers.b_o
+    return c
+
+
+def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config=None, **arrays) -> Layers:
+    """Build validated :class:`Layers` from per-layer arrays (leading layer axis required).
+
+    ``config`` defaults to a synthetic ``l2`` system with sizes read off the shapes.
+    Every shape is checked and every array must be finite; errors name the array.
+    """
+    W_v = jnp.asarray(W_v)
+    W_o = jnp.asarray(W_o)
+    if W_v.ndim != 4:
+        raise ValueError(f"W_v must have shape (L, H, d_head, d), got {tuple(W_v.shape)}")
+    U, G, e, d = W_v.shape
+    if W_q is not None:
+        W_q = jnp.asarray(W_q)
+        if W_q.ndim != 4:
+            raise ValueError(f"W_q must have shape (L, H, d_head, d), got {tuple(W_q.shape)}")
+        H = W_q.shape[1]
+    else:
+        H = config.n_heads if config is not None else G
+    if config is None:
+        config = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, norm="l2")
+    cfg = config
+    expect = {
+        "W_q": (U, cfg.n_heads, e, d), "W_k": (U, cfg.n_kv_heads, e, d), "W_v": (U, cfg.n_kv_heads, e, d),
+        "W_o": (U, d, cfg.n_heads * e),
+        "b_q": (U, cfg.n_heads, e), "b_k": (U, cfg.n_kv_heads, e), "b_v": (U, cfg.n_kv_heads, e), "b_o": (U, d),
+        "norm_scale": (U, d), "norm_bias": (U, d), "ffn_norm_scale": (U, d), "ffn_norm_bias": (U, d),
+    }
+    if (e, d) != (cfg.d_head, cfg.d_model):
+        raise ValueError(f"W_v has d_head={e}, d={d} but the config says d_head={cfg.d_head}, d={cfg.d_model}")
+    fields = dict(arrays, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o)
+    if scale is None:
+        scale = jnp.full((U,), 1.0 / np.sqrt(e), W_v.dtype)
+    scale = jnp.broadcast_to(jnp.asarray(scale, W_v.dtype), (U,))
+    if window is None:
+        window = jnp.zeros((U,), jnp.int32)
+    window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (U,))
+    for name, a in list(fields.items()):
+        if a is None:
+            continue
+        a = jnp.asarray(a)
+        fields[name] = a
+        if name in expect and tuple(a.shape) != expect[name]:
+            raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expect[name]}")
+        if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(a))):
+            raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+    if not bool(jnp.all(jnp.isfinite(scale))):
+        raise ValueError("scale contains non-finite values")
+    layers = Layers(scale=scale, window=window, config=cfg, **fields)
+    if cfg.schedule is not None:
+        layers.with_schedule(cfg.schedule)  # validates indices
+    return layers

@@ -1,0 +1,177 @@
+"""Run the token dynamics with ``lax.scan`` and measure inside the scan.
+
+``simulate`` is written for one prompt X0 (n, d) and one system; batch prompts and
+sweep systems with ``vmap`` (``simulate_batch`` does the former). Step t applies
+unique layer ``schedule[t]`` and records, against that layer's reference subspaces
+S (see :class:`powerlens.analysis.spectra.Subspaces`):
+
+    gamma[t, r]        mean over valid tokens of gamma_i(X_{t+1}) against reference r
+    gamma_before[t, r] the same for X_t (the tokens entering the layer)
+    rho[t, r]          fraction of valid tokens with gamma_i(X_{t+1}) > gamma_i(X_t)
+    rotation[t]        mean angle step of the tokens in the principal plane (NaN unless
+                       the principal subspace is a 2-D complex pair plane)
+    consensus, rank_collapse, pairwise_cos   (T+1,) including the initial state
+
+Memory is O(T) scalars unless ``save_states`` keeps the (T+1, n, d) states.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ..analysis import measures as M
+from .attention import check_attention
+from .layer import check_rule, layer_step
+
+
+@struct.dataclass
+class Trajectory:
+    gamma: jax.Array            # (T, m)
+    gamma_before: jax.Array     # (T, m)
+    rho: jax.Array              # (T, m)
+    rotation: jax.Array         # (T,)
+    consensus: jax.Array        # (T+1,)
+    rank_collapse: jax.Array    # (T+1,)
+    pairwise_cos: jax.Array     # (T+1,)
+    n_valid: jax.Array          # ()
+    final: jax.Array            # (n, d)
+    states: Optional[jax.Array] = None  # (T+1, n, d) when asked
+
+
+def _state_measures(X, valid):
+    return (M.consensus_distance(X, valid), M.rank_collapse_residual(X, valid),
+            M.mean_pairwise_cosine(X, valid))
+
+
+def simulate(layers, x0, subspaces, *, valid=None, rule: str = "paper", attention: str = "softmax",
+             keep_bias: Optional[bool] = None, save_states: bool = False, schedule=None,
+             positions=None) -> Trajectory:
+    """Iterate ``layers`` over its schedule from x0 (n, d). Pure; jit/vmap it.
+
+    Args:
+      layers: :class:`~powerlens.dynamics.params.Layers` (its static schedule, or the
+        ``schedule`` array given here, picks the unique layer of each step).
+      x0: initial tokens (n, d).
+      subspaces: reference subspaces, basis (U, m, d, k), dim (U, m).
+      valid: (n,) bool, False for padding tokens (excluded from attention keys and
+        from every measure).
+      rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
+      save_states: also return all states (T+1, n, d).
+    """
+    check_rule(rule)
+    check_attention(attention)
+    n = x0.shape[0]
+    if valid is None:
+        valid = jnp.ones((n,), bool)
+    sched = jnp.asarray(layers.schedule if schedule is None else schedule, jnp.int32)
+
+    def step(X, u):
+        lp = layers.layer(u)
+        B = subspaces.basis[u]                    # (m, d, k)
+        dims = subspaces.dim[u]                   # (m,)
+        Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                       positions=positions)
+        g0 = jax.vmap(M.alignment, (None, 0))(X, B)   # (m, n)
+        g1 = jax.vmap(M.alignment, (None, 0))(Y, B)
+        defined = dims > 0
+        gamma = jnp.where(defined, M.masked_mean(g1, valid), jnp.nan)
+        gamma_b = jnp.where(defined, M.masked_mean(g0, valid), jnp.nan)
+        rho = jnp.where(defined, M.masked_mean((g1 > g0).astype(X.dtype), valid), jnp.nan)
+        dtheta = M.wrap_angle(M.plane_angles(Y, B[0]) - M.plane_angles(X, B[0]))
+        rot = jnp.where(dims[0] == 2, M.masked_mean(dtheta, valid), jnp.nan)
+        out = (gamma, gamma_b, rho, rot) + _state_measures(Y, valid)
+        if save_states:
+            out = out + (Y,)
+        return Y, out
+
+    final, outs = jax.lax.scan(step, x0, sched)
+    c0, r0, p0 = _state_measures(x0, valid)
+    cat = lambda a0, a: jnp.concatenate([a0[None], a])
+    states = jnp.concatenate([x0[None], outs[7]]) if save_states else None
+    return Trajectory(gamma=outs[0], gamma_before=outs[1], rho=outs[2], rotation=outs[3],
+                      consensus=cat(c0, outs[4]), rank_collapse=cat(r0, outs[5]),
+                      pairwise_cos=cat(p0, outs[6]), n_valid=jnp.sum(valid), final=final, states=states)
+
+
+_STATIC = ("rule", "attention", "keep_bias", "save_states")
+simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
+
+
+def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, **kw):
+    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, **kw)
+    return jax.vmap(f)(X0, valid)
+
+
+simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC)
+
+
+def check_tokens(x0, d: Optional[int] = None, name: str = "x0") -> np.ndarray:
+    """Validate initial tokens (n, d) or (B, n, d): finite, non-zero rows, right width."""
+    x = np.asarray(x0)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"{name} must have shape (n, d) or (B, n, d), got {x.shape}")
+    if x.shape[-2] == 0:
+        raise ValueError(f"{name} has no tokens (shape {x.shape})")
+    if d is not None and x.shape[-1] != d:
+        raise ValueError(f"{name} has width {x.shape[-1]} but the system has d={d}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} contains non-finite values (NaN or inf)")
+    norms = np.linalg.norm(x, axis=-1)
+    if np.any(norms == 0):
+        bad = np.argwhere(norms == 0)[0].tolist()
+        raise ValueError(f"{name} has a zero-norm token at index {bad}")
+    return x
+
+
+def simulate_batch(layers, X0, subspaces, *, valid=None, rule: str = "paper", attention: str = "softmax",
+                   keep_bias: Optional[bool] = None, save_states: bool = False, schedule=None,
+                   positions=None) -> Trajectory:
+    """``simulate`` vmapped over a batch of prompts X0 (B, n, d) with ``valid`` (B, n).
+
+    Validates the inputs (clear errors, never a silent NaN) and runs jit-compiled.
+    """
+    check_rule(rule)
+    check_attention(attention)
+    X0 = check_tokens(X0, layers.config.d_model)
+    if X0.ndim == 2:
+        X0 = X0[None]
+    if valid is None:
+        valid = np.ones(X0.shape[:2], bool)
+    valid = np.asarray(valid, bool)
+    if valid.shape != X0.shape[:2]:
+        raise ValueError(f"valid mask has shape {valid.shape}, expected {X0.shape[:2]}")
+    if not valid.any(axis=1).all():
+        raise ValueError("a prompt has no valid token (empty prompt)")
+    if schedule is not None:
+        schedule = jnp.asarray(schedule, jnp.int32)
+    dtype = layers.W_v.dtype
+    return simulate_batch_jit(layers, jnp.asarray(X0, dtype), subspaces, jnp.asarray(valid), positions,
+                              schedule, rule=rule, attention=attention, keep_bias=keep_bias,
+                              save_states=save_states)
+
+
+def pooled(traj: Trajectory) -> dict:
+    """Pool a batch Trajectory over prompts, weighting by valid tokens.
+
+    Returns NumPy arrays: gamma, gamma_before, rho (T, m); rho_count, n_tokens; and the
+    prompt-mean of consensus, rank_collapse, pairwise_cos (T+1,) and rotation (T,).
+    """
+    w = np.asarray(traj.n_valid, np.float64)
+    if w.ndim == 0:
+        traj = jax.tree_util.tree_map(lambda a: a[None], traj)
+        w = w[None]
+    tot = w.sum()
+    wm = lambda a: np.tensordot(w, np.asarray(a, np.float64), axes=(0, 0)) / tot
+    rho = wm(traj.rho)
+    return {
+        "gamma": wm(traj.gamma), "gamma_before": wm(traj.gamma_before), "rho": rho,
+        "rho_count": np.rint(rho * tot).astype(np.int64), "n_tokens": int(tot),
+        "consensus": np.asarray(traj.consensus, np.float64).mean(0),
+        "rank_collapse": np.asarray(traj.rank_collapse, np.float64).mean(0),
+        "pairwise_cos": np.asarray(traj.pairwise_cos, np.float64).mean(0),
+        "rotation": np.asarray(traj.rotation, np.float64).mean(0),
+    }

@@ -1,0 +1,1 @@
+"""albert converter (to be written)."""

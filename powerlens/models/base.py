@@ -1,0 +1,84 @@
+"""The loaded model: static facts + pytrees of arrays, and the converter registry.
+
+A converter turns (Hugging Face ``config.json`` dict, :class:`TensorReader`, dtype)
+into a :class:`Model`. It must reject (``CheckpointError``, naming it) any
+architecture or config attribute that changes the maths and is not handled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
+
+import jax
+import numpy as np
+from flax import struct
+
+from ..dynamics.params import Layers
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a loaded checkpoint.
+
+    family: ``bert``, ``albert``, ``roberta``, ``distilbert``, ``gpt2``, ``gpt_neo`` or ``llama``.
+    source: the path it was read from. tokenizer: a folder for ``AutoTokenizer`` or a
+    ``.gguf`` path. max_positions: longest prompt the position embeddings allow
+    (None = unbounded, RoPE). decoder: causal LM. hidden_state_steps: the schedule
+    step indices (1-based counts of steps done) after which Hugging Face records
+    ``hidden_states[1:]`` (ALBERT with inner groups records after each outer layer).
+    final_norm_in_hidden_states: HF applies the final norm to the last hidden state
+    (GPT-2, GPT-Neo, Llama). pad_token_id, bos_token_id: for embedding.
+    position_offset: RoBERTa's positions start at padding_idx + 1.
+    """
+
+    family: str
+    source: str
+    tokenizer: Optional[str] = None
+    max_positions: Optional[int] = None
+    decoder: bool = False
+    hidden_state_steps: Optional[Tuple[int, ...]] = None
+    final_norm_in_hidden_states: bool = False
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    position_offset: int = 0
+    name: str = ""
+
+
+@struct.dataclass
+class Model:
+    """A checkpoint as pytrees.
+
+    layers: the stacked unique attention layers (ALBERT: its groups, with the group
+      schedule in ``layers.config.schedule``) including FFN parameters for rule ``full``.
+    embeddings: dict of arrays, family-specific names::
+
+        word (V, E), position (P, E), token_type (T, E), norm_scale/norm_bias (E,),
+        project_W (d, E), project_b (d,)   (ALBERT embedding -> hidden mapping)
+
+    final_norm_scale / final_norm_bias: (d,) or None.
+    lm_head: (V, d) or None (tied to ``embeddings['word']`` for decoders).
+    """
+
+    layers: Layers
+    embeddings: Dict[str, jax.Array]
+    final_norm_scale: Optional[jax.Array] = None
+    final_norm_bias: Optional[jax.Array] = None
+    lm_head: Optional[jax.Array] = None
+    info: ModelInfo = struct.field(pytree_node=False, default=None)
+
+    @property
+    def config(self):
+        return self.layers.config
+
+
+Converter = Callable[[dict, "TensorReader", np.dtype, str], Model]
+CONVERTERS: Dict[str, Converter] = {}
+
+
+def register(*model_types: str):
+    """Register a converter for Hugging Face ``model_type`` values."""
+    def deco(fn):
+        for t in model_types:
+            CONVERTERS[t] = fn
+        return fn
+    return deco

@@ -1,0 +1,1 @@
+"""bert converter (to be written)."""

@@ -1,0 +1,1 @@
+"""gpt2 converter (to be written)."""

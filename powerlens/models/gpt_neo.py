@@ -1,0 +1,1 @@
+"""gpt_neo converter (to be written)."""

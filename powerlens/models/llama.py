@@ -1,0 +1,1 @@
+"""llama converter (to be written)."""

