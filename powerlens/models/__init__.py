@@ -6,3 +6,5 @@
 from .base import Model, ModelInfo
 from .load import ALIASES, load, resolve
 from .reader import CheckpointError, TensorReader
+from .embed import embed, embed_ids, tokenize
+from .forward import hidden_states, logits, run_states

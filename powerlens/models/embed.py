@@ -1,0 +1,115 @@
+"""Text -> initial tokens x0, exactly as the model embeds them.
+
+    x0 = word[ids] (+ position[pos]) (+ token_type[0]) -> (embedding LayerNorm) -> (projection)
+
+which covers BERT/RoBERTa/DistilBERT/ALBERT (LayerNorm; ALBERT's E -> d projection),
+GPT-2/GPT-Neo (word + position) and Llama (word only). Prompts are right-padded;
+``valid`` is False on padding. A prompt longer than the model's position table is an
+error (never silently truncated); an empty prompt is an error.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Sequence, Tuple, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..dynamics.norms import layer_norm
+from .base import Model
+from .reader import CheckpointError
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_for(path: str):
+    if path.endswith(".gguf"):
+        from .gguf_llama import gguf_tokenizer
+        return gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer(model: Model):
+    """The checkpoint's own tokenizer (``AutoTokenizer`` from the folder, or the GGUF one)."""
+    if model.info is None or model.info.tokenizer is None:
+        raise CheckpointError(f"model {getattr(model.info, 'name', '?')!r} has no tokenizer; pass token ids")
+    return _tokenizer_for(model.info.tokenizer)
+
+
+def tokenize(model: Model, texts: Sequence[str]) -> List[List[int]]:
+    if isinstance(texts, str):
+        texts = [texts]
+    if not texts:
+        raise ValueError("no prompts given")
+    tok = tokenizer(model)
+    out = []
+    for i, t in enumerate(texts):
+        if not isinstance(t, str) or not t.strip():
+            raise ValueError(f"prompt {i} is empty")
+        out.append(list(tok(t)["input_ids"]))
+    return out
+
+
+def pad_ids(ids: Sequence[Sequence[int]], pad_id: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id lists: ids (B, n) int32, valid (B, n) bool."""
+    if not len(ids):
+        raise ValueError("no prompts given")
+    for i, row in enumerate(ids):
+        if len(row) == 0:
+            raise ValueError(f"prompt {i} is empty (no tokens)")
+    n = max(len(r) for r in ids)
+    arr = np.full((len(ids), n), pad_id, np.int32)
+    valid = np.zeros((len(ids), n), bool)
+    for i, row in enumerate(ids):
+        arr[i, : len(row)] = row
+        valid[i, : len(row)] = True
+    return arr, valid
+
+
+def embed_ids(model: Model, ids, valid=None):
+    """x0 (B, n, d) for token ids (B, n) (right-padded; ``valid`` (B, n) bool)."""
+    ids = np.asarray(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if valid is None:
+        valid = np.ones(ids.shape, bool)
+    valid = np.asarray(valid, bool).reshape(ids.shape)
+    E = model.embeddings
+    vocab = E["word"].shape[0]
+    if ids.size == 0 or ids.shape[1] == 0:
+        raise ValueError("empty prompt: no tokens to embed")
+    bad = ids[valid]
+    if bad.size and (bad.min() < 0 or bad.max() >= vocab):
+        raise ValueError(f"token id out of range [0, {vocab}) in the prompt")
+    info = model.info
+    n = ids.shape[1]
+    if info is not None and info.max_positions is not None and n + info.position_offset > info.max_positions:
+        raise ValueError(
+            f"prompt of {n} tokens is longer than the model's {info.max_positions - info.position_offset} "
+            f"positions ({info.family}); shorten it (powerlens does not truncate silently)")
+    x = jnp.asarray(E["word"])[jnp.asarray(np.where(valid, ids, 0))]
+    if "position" in E:
+        if info is not None and info.position_offset:
+            # RoBERTa: positions count valid tokens from padding_idx + 1
+            pos = np.cumsum(valid, axis=1) * valid + (info.position_offset - 1)
+        else:
+            pos = np.broadcast_to(np.arange(n), ids.shape)
+        x = x + jnp.asarray(E["position"])[jnp.asarray(pos)]
+    if "token_type" in E:
+        x = x + jnp.asarray(E["token_type"])[0]
+    if "norm_scale" in E:
+        x = layer_norm(x, E["norm_scale"], E.get("norm_bias"), model.layers.config.norm_eps)
+    if "project_W" in E:
+        x = x @ jnp.asarray(E["project_W"]).T + E["project_b"]
+    return x, jnp.asarray(valid)
+
+
+def embed(model: Model, texts_or_ids: Union[str, Sequence[str], Sequence[Sequence[int]], np.ndarray]):
+    """x0 (B, n, d) and the padding mask ``valid`` (B, n) for texts or token ids."""
+    if isinstance(texts_or_ids, str) or (len(texts_or_ids) and isinstance(texts_or_ids[0], str)):
+        ids = tokenize(model, texts_or_ids)
+    else:
+        ids = [list(np.asarray(r).reshape(-1)) for r in (np.atleast_2d(texts_or_ids) if isinstance(texts_or_ids, np.ndarray) else texts_or_ids)]
+    pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
+    arr, valid = pad_ids(ids, pad)
+    return embed_ids(model, arr, valid)

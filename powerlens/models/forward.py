@@ -1,0 +1,57 @@
+"""The model's own forward pass (rule ``full``) and what Hugging Face calls hidden states.
+
+    hidden_states(model, x0, valid) -> (K+1, B, n, d): hs[0] = x0, hs[k] = the state after
+        the k-th recorded block (``info.hidden_state_steps``), with the final norm applied
+        to the last one where Hugging Face does (GPT-2, GPT-Neo, Llama).
+    logits(model, h) -> (B, n, V) for decoders: final norm (unless already applied) then the
+        LM head (tied to the word embeddings when ``lm_head`` is None).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..analysis.spectra import Subspaces
+from ..dynamics.norms import apply_norm
+from ..dynamics.simulate import simulate_batch
+from .base import Model
+
+
+def null_subspaces(model_or_layers) -> Subspaces:
+    """Empty reference subspaces (all measures NaN): for runs that only need states."""
+    layers = getattr(model_or_layers, "layers", model_or_layers)
+    U, d = layers.n_unique, layers.config.d_model
+    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
+
+
+def final_norm(model: Model, h):
+    cfg = model.layers.config
+    if model.final_norm_scale is None:
+        return h
+    return apply_norm(cfg.norm, h, model.final_norm_scale, model.final_norm_bias, cfg.norm_eps)
+
+
+def run_states(model: Model, x0, valid, *, rule: str = "full", attention: str = "softmax", keep_bias=None):
+    """All states (T+1, B, n, d) of the model's schedule under ``rule``."""
+    traj = simulate_batch(model.layers, x0, null_subspaces(model), valid=valid, rule=rule,
+                          attention=attention, keep_bias=keep_bias, save_states=True)
+    return jnp.swapaxes(traj.states, 0, 1)
+
+
+def hidden_states(model: Model, x0, valid):
+    """Hugging Face's ``hidden_states`` tuple as one array (K+1, B, n, d)."""
+    states = run_states(model, x0, valid)
+    steps = model.info.hidden_state_steps if model.info and model.info.hidden_state_steps else None
+    if steps is not None:
+        states = states[jnp.asarray((0,) + tuple(steps))]
+    if model.info is not None and model.info.final_norm_in_hidden_states:
+        states = states.at[-1].set(final_norm(model, states[-1]))
+    return states
+
+
+def logits(model: Model, h, *, normed: bool = False):
+    """Next-token logits (B, n, V) from the last hidden state h (B, n, d)."""
+    if not normed:
+        h = final_norm(model, h)
+    W = model.lm_head if model.lm_head is not None else model.embeddings["word"]
+    return h @ jnp.asarray(W).T
