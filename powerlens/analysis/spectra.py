@@ -52,6 +52,7 @@ class OrderedSpectrum:
     mu1: float                   # key of the top group
     mu2: float                   # key of the first eigenvalue outside it (0 if none)
     is_complex: bool
+    plane: np.ndarray = None     # (d, 2) orthonormal: principal direction(s) + the next one, for plots
 
     @property
     def ratio(self) -> float:
@@ -126,8 +127,23 @@ def _ordered(F: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
         T2 = basis.T @ F @ basis
         if T2[1, 0] - T2[0, 1] < 0:
             basis[:, 1] *= -1
+    if dim >= 2 or len(key) < 2:
+        plane = basis[:, :2] if dim >= 2 else np.eye(len(key), 2)
+    else:  # principal direction plus the leading direction of the next invariant subspace
+        nxt = key[1]
+        j = 2
+        while j < len(key) and key[j] >= nxt * (1.0 - group_rtol):
+            j += 1
+        thr2 = 0.5 * (float(key[j - 1]) + float(key[j])) if j < len(key) else -1.0
+        sel2 = (lambda re, im: np.hypot(1.0 + re, im) > thr2) if order == "shifted" else \
+            (lambda re, im: np.hypot(re, im) > thr2)
+        Z2 = scipy.linalg.schur(F, output="real", sort=sel2)[1]
+        cand = Z2[:, : max(j, 2)]
+        cand = cand - basis @ (basis.T @ cand)
+        k = int(np.argmax(np.linalg.norm(cand, axis=0)))
+        plane = np.concatenate([basis, cand[:, k:k + 1] / np.linalg.norm(cand[:, k])], axis=1)
     return OrderedSpectrum(eigenvalues=w, top=complex(top), dim=dim, basis=basis,
-                           mu1=mu1, mu2=mu2, is_complex=is_complex)
+                           mu1=mu1, mu2=mu2, is_complex=is_complex, plane=plane)
 
 
 def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:

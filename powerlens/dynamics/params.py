@@ -236,9 +236,9 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
         fields[name] = a
         if name in expect and tuple(a.shape) != expect[name]:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expect[name]}")
-        if jnp.issubdtype(a.dtype, jnp.floating) and not bool(jnp.all(jnp.isfinite(a))):
+        if jnp.issubdtype(a.dtype, jnp.floating) and not np.all(np.isfinite(np.asarray(a))):
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
-    if not bool(jnp.all(jnp.isfinite(scale))):
+    if not np.all(np.isfinite(np.asarray(scale))):
         raise ValueError("scale contains non-finite values")
     layers = Layers(scale=scale, window=window, config=cfg, **fields)
     if cfg.schedule is not None:

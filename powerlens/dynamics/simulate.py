@@ -26,6 +26,7 @@ from flax import struct
 from ..analysis import measures as M
 from .attention import check_attention
 from .layer import check_rule, layer_step
+from .params import layer_matrices
 
 
 @struct.dataclass
@@ -68,6 +69,12 @@ def simulate(layers, x0, subspaces, *, valid=None, rule: str = "paper", attentio
     if valid is None:
         valid = jnp.ones((n,), bool)
     sched = jnp.asarray(layers.schedule if schedule is None else schedule, jnp.int32)
+    # rotation is defined only for a complex-pair plane: a 2-D principal subspace on which
+    # the restriction T2 = B^T F B has complex eigenvalues (not a repeated real one)
+    B2 = subspaces.basis[:, 0, :, :2]                                   # (U, d, 2)
+    T2 = jnp.einsum("udi,ude,uej->uij", B2, layer_matrices(layers), B2)
+    disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
+    is_pair = (subspaces.dim[:, 0] == 2) & (disc < 0)                  # (U,)
 
     def step(X, u):
         lp = layers.layer(u)
@@ -82,7 +89,7 @@ def simulate(layers, x0, subspaces, *, valid=None, rule: str = "paper", attentio
         gamma_b = jnp.where(defined, M.masked_mean(g0, valid), jnp.nan)
         rho = jnp.where(defined, M.masked_mean((g1 > g0).astype(X.dtype), valid), jnp.nan)
         dtheta = M.wrap_angle(M.plane_angles(Y, B[0]) - M.plane_angles(X, B[0]))
-        rot = jnp.where(dims[0] == 2, M.masked_mean(dtheta, valid), jnp.nan)
+        rot = jnp.where(is_pair[u], M.masked_mean(dtheta, valid), jnp.nan)
         out = (gamma, gamma_b, rho, rot) + _state_measures(Y, valid)
         if save_states:
             out = out + (Y,)
@@ -169,7 +176,7 @@ def pooled(traj: Trajectory) -> dict:
     rho = wm(traj.rho)
     return {
         "gamma": wm(traj.gamma), "gamma_before": wm(traj.gamma_before), "rho": rho,
-        "rho_count": np.rint(rho * tot).astype(np.int64), "n_tokens": int(tot),
+        "rho_count": np.rint(np.nan_to_num(rho) * tot).astype(np.int64), "n_tokens": int(tot),
         "consensus": np.asarray(traj.consensus, np.float64).mean(0),
         "rank_collapse": np.asarray(traj.rank_collapse, np.float64).mean(0),
         "pairwise_cos": np.asarray(traj.pairwise_cos, np.float64).mean(0),

@@ -131,7 +131,7 @@ def sphere_tokens(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
 
 
 def cone_tokens(rng: np.random.Generator, n: int, v: np.ndarray, angle: float) -> np.ndarray:
-    """n unit tokens at angle exactly ``angle`` (radians) from unit v, random azimuth."""
+    """n unit tokens at angle ``angle`` (radians; a scalar, or (n, 1) for tokens inside a cone) from unit v."""
     v = np.asarray(v, float)
     v = v / np.linalg.norm(v)
     g = rng.standard_normal((n, v.size))

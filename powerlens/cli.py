@@ -1,0 +1,167 @@
+"""The ``powerlens`` command line.
+
+    powerlens simulate  (--spectrum 3,1.5+0.5j,... | --weights system.npz) [options] --out DIR
+    powerlens spectrum  (MODEL | --weights system.npz) --out DIR
+    powerlens align     MODEL (--text "..." ... | --prompts FILE) --out DIR
+    powerlens steer     MODEL --direction token:WORD|file.npy|random ... --out DIR
+    powerlens reproduce [--models ...] [--out results] [--quick] [--seed S]
+
+Every error on bad input is printed as one line naming what is wrong (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+MODEL_HELP = "a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: minilm, smollm2"
+
+
+def _common_dynamics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention", choices=["softmax", "uniform", "identity"], default="softmax",
+                   help="attention mode (default: softmax)")
+    p.add_argument("--rule", choices=["paper", "post_ln", "pre_ln"], default="paper",
+                   help="layer rule: paper x<-N2(x+Attn x); post_ln x<-LN(x+Attn x); pre_ln x<-x+Attn(LN x)")
+    p.add_argument("--order", choices=["shifted", "plain"], default="shifted",
+                   help="which eigenvalue is principal: by |1+lambda| (shifted, default) or |lambda| (plain)")
+    p.add_argument("--keep-bias", action="store_true",
+                   help="keep the constant c = O b_v + b_o in the paper rule (dropped by default)")
+    p.add_argument("--x64", action="store_true", help="run in float64")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _system_source(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("system (one of --weights or --spectrum)")
+    g.add_argument("--weights", metavar="NPZ",
+                   help="weights file: W_q, W_k, W_v (H,e,d) or (L,H,e,d); W_o (d,H*e) or (L,d,H*e); "
+                        "optional b_q, b_k, b_v (H,e), b_o (d,), scale, window, causal; "
+                        "W_q/W_k may be left out for uniform/identity attention")
+    g.add_argument("--spectrum", help="eigenvalues of a synthetic F, comma separated; a+bj stands for the pair a+-bj")
+    g.add_argument("--kind", choices=["symmetric", "normal", "nonnormal"], default="normal",
+                   help="synthetic F: symmetric, normal (Schur blocks) or nonnormal (random similarity)")
+    g.add_argument("--dim", type=int, default=None, help="width d of a synthetic system (pads with zero eigenvalues)")
+    g.add_argument("--heads", type=int, default=1, help="heads of a synthetic system (default 1)")
+    g.add_argument("--beta", type=float, default=1.0, help="inverse temperature of synthetic queries/keys")
+    g.add_argument("--norm", choices=["l2", "layernorm", "rmsnorm"], default=None,
+                   help="norm for post_ln/pre_ln on explicit systems (default layernorm; paper always uses l2)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="powerlens", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("simulate", help="run the token dynamics of a synthetic system or a weights file")
+    _system_source(p)
+    _common_dynamics(p)
+    p.add_argument("--steps", type=int, default=None,
+                   help="iterate one layer T times as a shared-weight system (default: synthetic 50, "
+                        "weights file: each of its L layers once)")
+    p.add_argument("--shared-layer", type=int, default=None, help="with --steps and a multi-layer file: which layer")
+    p.add_argument("--tokens", type=int, default=16, help="number of random unit initial tokens (default 16)")
+    p.add_argument("--batch", type=int, default=1, help="number of random prompts (default 1)")
+    p.add_argument("--init", metavar="NPY", help="initial tokens (n, d) or (B, n, d) instead of random ones")
+    p.add_argument("--save-states", action="store_true", help="also write states.npy (T+1, n, d) or (T+1, B, n, d)")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("spectrum", help="spectra of every layer's F_t = O_t V_t, both orderings")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    _system_source(p)
+    p.add_argument("--x64", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.set_defaults(func=_spectrum)
+
+    p = sub.add_parser("align", help="gamma_t and rho_t of a pretrained model on your prompts")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--text", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
+    p.add_argument("--rule", choices=["paper", "faithful"], default="paper",
+                   help="paper: x<-N2(x+Attn x); faithful: the model's own norm placement (post_ln or pre_ln)")
+    p.add_argument("--shared-layer", type=int, default=None, help="iterate this layer as a shared-weight system")
+    p.add_argument("--steps", type=int, default=None, help="with --shared-layer: number of iterations")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random-subspace control")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.set_defaults(func=_align)
+
+    p = sub.add_parser("steer", help="steer the last layer toward a direction with a rank-1 change")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
+    p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
+    p.add_argument("--direction", required=True, help="token:WORD, a .npy vector, or random")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--alpha", type=float, help="the perturbation size alpha")
+    g.add_argument("--target-alignment", type=float, help="smallest alpha reaching this alignment for every token")
+    g.add_argument("--optimize", action="store_true", help="gradient-based steering (optax)")
+    p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
+    p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
+    p.add_argument("--text", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    p.set_defaults(func=_steer)
+
+    p = sub.add_parser("reproduce", help="the whole study: synthetic claims, real models, steering, report")
+    p.add_argument("--models", nargs="*", default=[], help="extra Hugging Face ids to look up in the local cache")
+    p.add_argument("--out", default="results", help="output folder (default results/)")
+    p.add_argument("--quick", action="store_true", help="smaller sweeps (about 2 minutes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=_reproduce)
+    return parser
+
+
+def _simulate(args):
+    if args.spectrum and args.steps is None:
+        args.steps = 50
+    from .commands.simulate import cmd_simulate
+    return cmd_simulate(args)
+
+
+def _spectrum(args):
+    if args.model and (args.weights or args.spectrum):
+        raise ValueError("give either MODEL or --weights/--spectrum, not both")
+    if args.model:
+        from .commands.models import cmd_spectrum_model
+        return cmd_spectrum_model(args)
+    args.steps = None
+    from .commands.simulate import cmd_spectrum_weights
+    return cmd_spectrum_weights(args)
+
+
+def _align(args):
+    from .commands.models import cmd_align
+    return cmd_align(args)
+
+
+def _steer(args):
+    from .commands.steer import cmd_steer
+    return cmd_steer(args)
+
+
+def _reproduce(args):
+    from .reproduce import cmd_reproduce
+    return cmd_reproduce(args)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "x64", False):
+        import jax
+        jax.config.update("jax_enable_x64", True)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FloatingPointError) as exc:
+        print(f"powerlens {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"powerlens {args.command}: interrupted; finished work is kept", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

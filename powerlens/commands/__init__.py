@@ -1,0 +1,1 @@
+"""Implementations of the ``powerlens`` sub-commands (the parser lives in powerlens.cli)."""

@@ -1,0 +1,83 @@
+"""``powerlens simulate`` and ``powerlens spectrum --weights``."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .. import io
+from ..analysis import plots
+from ..analysis.experiment import rows_csv, run_system
+from ..analysis.spectra import layer_spectra, spectra_json
+from ..dynamics.params import layer_matrices
+from .system import build_system, initial_tokens
+
+
+def settings_of(args) -> dict:
+    skip = {"func", "command"}
+    return {k: v for k, v in vars(args).items() if k not in skip}
+
+
+def write_run_figures(stage: str, res, *, title: str = "") -> list:
+    """eigenvalues.png, alignment.png, consensus.png and trajectories.png of a run."""
+    rows = res.rows()
+    t = np.array([r["t"] for r in rows[1:]])
+    col = lambda k: np.array([np.nan if r[k] is None else r[k] for r in rows[1:]], float)
+    files = [plots.plot_eigenvalues(res.spectra, os.path.join(stage, "eigenvalues.png"), title=title or None)]
+    files.append(plots.plot_alignment(
+        t, {res.order: col("gamma")}, {res.order: col("rho")}, os.path.join(stage, "alignment.png"),
+        chance=col("chance_gamma"), chance_band=col("chance_band"),
+        gamma_controls={"random subspace": col("gamma_random"), "other layer": col("gamma_other_layer")},
+        rho_controls={"random subspace": col("rho_random"), "other layer": col("rho_other_layer")},
+        xlabel="step t", title=title or None))
+    allrows = res.rows()
+    files.append(plots.plot_consensus(
+        np.array([r["consensus"] for r in allrows], float), os.path.join(stage, "consensus.png"),
+        rank_collapse=np.array([r["rank_collapse"] for r in allrows], float),
+        pairwise_cos=np.array([r["pairwise_cos"] for r in allrows], float), title=title or None))
+    if res.states is not None:
+        u = res.schedule[-1]
+        plane = res.spectra[u].get(res.order).plane
+        files.append(plots.plot_trajectories(res.states[:, 0], plane, os.path.join(stage, "trajectories.png"),
+                                             title=title or None))
+    return files
+
+
+def cmd_simulate(args) -> int:
+    layers = build_system(args)
+    x0 = initial_tokens(args, layers.config.d_model)
+    res = run_system(layers, x0, rule=args.rule, attention=args.attention, order=args.order,
+                     keep_bias=args.keep_bias or None, seed=args.seed, save_states=args.save_states,
+                     progress=not args.quiet)
+    rows = res.rows()
+    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "steps": rows,
+           "layers": spectra_json(res.spectra)}
+    with io.output_dir(args.out) as stage:
+        io.write_json(os.path.join(stage, "metrics.json"), doc)
+        io.write_text(os.path.join(stage, "metrics.csv"), rows_csv(rows))
+        if args.save_states:
+            states = res.states if x0.ndim == 3 else res.states[:, 0]
+            io.save_npy(os.path.join(stage, "states.npy"), states)
+        figs = write_run_figures(stage, res)
+    last = rows[-1]
+    print(f"wrote {args.out}: metrics.json, metrics.csv, {len(figs)} figures"
+          + (", states.npy" if args.save_states else ""))
+    print(f"T={res.steps}  final gamma={_fmt(last['gamma'])}  consensus={_fmt(last['consensus'])}  "
+          f"top eigenvalue (shifted)={res.spectra[-1].shifted.top:.4g}")
+    return 0
+
+
+def _fmt(v):
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def cmd_spectrum_weights(args) -> int:
+    layers = build_system(args)
+    spectra = layer_spectra(np.asarray(layer_matrices(layers)))
+    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "layers": spectra_json(spectra)}
+    with io.output_dir(args.out) as stage:
+        io.write_json(os.path.join(stage, "spectrum.json"), doc)
+        plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"))
+    differ = [s.layer for s in spectra if s.orderings_differ]
+    print(f"wrote {args.out}: spectrum.json, eigenvalues.png ({len(spectra)} layers; orderings differ at {differ})")
+    return 0

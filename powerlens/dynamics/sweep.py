@@ -1,0 +1,63 @@
+"""Sweeps: many systems of the same shapes simulated in one ``jit(vmap(...))`` call.
+
+    stack_systems([layers_1, ..., layers_S]) -> Layers with a leading system axis (S, U, ...)
+    simulate_sweep(stacked, X0 (S, n, d), subspaces (S, ...)) -> Trajectory with leading S
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..analysis.spectra import Subspaces, layer_spectra, reference_subspaces
+from .params import Layers, layer_matrices
+from .simulate import Trajectory, simulate
+
+
+def stack_systems(systems: Sequence[Layers]) -> Layers:
+    """Stack systems with identical static configs along a new leading axis."""
+    if not systems:
+        raise ValueError("no systems to stack")
+    cfg = systems[0].config
+    for i, s in enumerate(systems):
+        if s.config != cfg:
+            raise ValueError(f"system {i} has a different static config than system 0; sweeps need equal shapes")
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *systems)
+
+
+def stack_subspaces(subs: Sequence[Subspaces]) -> Subspaces:
+    k = max(int(s.basis.shape[-1]) for s in subs)
+    pad = lambda b: jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, k - b.shape[-1])])
+    return Subspaces(basis=jnp.stack([pad(s.basis) for s in subs]), dim=jnp.stack([s.dim for s in subs]))
+
+
+def sweep_subspaces(systems: Sequence[Layers], *, order: str = "shifted", seed: int = 0):
+    """Spectra and stacked reference subspaces of every system."""
+    spectra = [layer_spectra(np.asarray(layer_matrices(s))) for s in systems]
+    subs = [reference_subspaces(sp, order=order, seed=seed + i, dtype=systems[0].W_v.dtype)
+            for i, sp in enumerate(spectra)]
+    return spectra, stack_subspaces(subs)
+
+
+def _sweep(stacked, X0, subspaces, valid, *, rule, attention, keep_bias, save_states):
+    f = lambda lay, x, sub, v: simulate(lay, x, sub, valid=v, rule=rule, attention=attention,
+                                         keep_bias=keep_bias, save_states=save_states)
+    return jax.vmap(f)(stacked, X0, subspaces, valid)
+
+
+_sweep_jit = jax.jit(_sweep, static_argnames=("rule", "attention", "keep_bias", "save_states"))
+
+
+def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, rule: str = "paper",
+                   attention: str = "softmax", keep_bias: Optional[bool] = None,
+                   save_states: bool = False) -> Trajectory:
+    """Simulate S systems, one prompt X0[s] (n, d) each, in one jit/vmap call."""
+    X0 = jnp.asarray(X0, stacked.W_v.dtype)
+    if X0.ndim != 3:
+        raise ValueError(f"X0 must have shape (S, n, d), got {X0.shape}")
+    if valid is None:
+        valid = jnp.ones(X0.shape[:2], bool)
+    return _sweep_jit(stacked, X0, subspaces, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                      save_states=save_states)

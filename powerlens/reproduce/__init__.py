@@ -1,0 +1,104 @@
+"""``powerlens reproduce``: every claim of the paper as a section with numbers, figures and a
+computed verdict; results.json, report.md and a self-contained report.html.
+
+Sweeps write finished chunks under ``OUT/.chunks/`` as they go; a killed run started
+again with the same settings resumes from them and yields the same results.json.
+A section that fails is reported as failed, the others are kept, and the command
+exits non-zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import traceback
+from typing import Callable, List
+
+from .. import io
+from .section import SectionResult
+from .store import ChunkStore
+
+
+@dataclasses.dataclass
+class Context:
+    out: str
+    store: ChunkStore
+    quick: bool
+    seed: int
+    models: List[str]
+    show_progress: bool = True
+
+    def fig(self, name: str) -> str:
+        """Absolute path for a figure; sections list it relative to ``out``."""
+        os.makedirs(os.path.join(self.out, "figures"), exist_ok=True)
+        return os.path.join(self.out, "figures", name)
+
+    def rel(self, path: str) -> str:
+        return os.path.relpath(path, self.out)
+
+    def progress(self, iterable, desc: str):
+        from tqdm.auto import tqdm
+        return tqdm(list(iterable), desc=desc, disable=not self.show_progress, leave=True)
+
+
+def all_sections() -> List[Callable]:
+    from . import synthetic
+    sections = list(synthetic.SECTIONS)
+    try:
+        from . import real_models
+        sections += real_models.SECTIONS
+    except ImportError:
+        pass
+    return sections
+
+
+def run_sections(ctx: Context, sections) -> List[SectionResult]:
+    results = []
+    for fn in sections:
+        t0 = time.time()
+        try:
+            res = fn(ctx)
+        except Exception as exc:  # a failing section must not take the others down
+            name = fn.__name__.replace("section_", "")
+            res = SectionResult(name, name.replace("_", " "), "", "failed",
+                                f"This section failed: {type(exc).__name__}: {exc}",
+                                error=traceback.format_exc(limit=8))
+        res.figures = [ctx.rel(f) if os.path.isabs(f) else f for f in res.figures]
+        res.seconds = time.time() - t0
+        results.append(res)
+    return results
+
+
+def cmd_reproduce(args) -> int:
+    from .report import render_html, render_markdown
+    settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or [])}
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    store = ChunkStore(out, settings)
+    ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
+    sections = all_sections()
+    if getattr(args, "sections", None):
+        sections = [s for s in sections if any(k in s.__name__ for k in args.sections)]
+    t0 = time.time()
+    results = run_sections(ctx, sections)
+    full_settings = {**settings, "versions": io.versions()}
+    doc = {"settings": settings, "sections": [r.to_json() for r in results]}
+    written = [io.write_json(os.path.join(out, "results.json"), doc),
+               io.write_text(os.path.join(out, "report.md"), render_markdown(results, full_settings)),
+               io.write_text(os.path.join(out, "report.html"), render_html(results, full_settings, out))]
+    failed = [r for r in results if r.verdict == "failed"]
+    if not failed:
+        store.clear()
+    print(f"\npowerlens reproduce: {len(results)} sections in {time.time() - t0:.0f} s "
+          f"({store.loaded} chunks resumed, {store.computed} computed)")
+    for r in results:
+        print(f"  [{r.verdict:>16}] {r.title} ({r.seconds:.0f} s)")
+    figs = sorted({f for r in results for f in r.figures})
+    print("files written:")
+    for w in written:
+        print(f"  {w}")
+    print(f"  {len(figs)} figures under {os.path.join(out, 'figures')}")
+    if failed:
+        print(f"{len(failed)} section(s) failed: {', '.join(r.id for r in failed)} (see the report)")
+        return 1
+    return 0
