@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
     p.add_argument("--text", action="append", help="a prompt (repeat for several)")
     p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of a random direction and of the optimiser")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.set_defaults(func=_steer)
 
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="*", default=[], help="extra Hugging Face ids to look up in the local cache")
     p.add_argument("--out", default="results", help="output folder (default results/)")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (about 2 minutes)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same results.json")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_reproduce)
     return parser
@@ -128,6 +128,7 @@ def _spectrum(args):
         from .commands.models import cmd_spectrum_model
         return cmd_spectrum_model(args)
     args.steps = None
+    args.attention = None  # spectra need only W_v and W_o
     from .commands.simulate import cmd_spectrum_weights
     return cmd_spectrum_weights(args)
 

@@ -14,7 +14,7 @@ from ..models.npz import load_weights_npz
 def build_system(args) -> Layers:
     """A ``Layers`` from ``--weights`` or from a named synthetic spectrum, with the schedule set."""
     dtype = np.float64 if getattr(args, "x64", False) else np.float32
-    attention = getattr(args, "attention", "softmax")
+    attention = getattr(args, "attention", None)
     norm = getattr(args, "norm", None) or ("l2" if getattr(args, "rule", "paper") == "paper" else "layernorm")
     if getattr(args, "weights", None):
         layers = load_weights_npz(args.weights, attention=attention, norm=norm, dtype=dtype)
@@ -50,4 +50,8 @@ def initial_tokens(args, d: int):
     if args.tokens <= 0:
         raise ValueError(f"--tokens must be positive, got {args.tokens}")
     rng = np.random.default_rng(args.seed + 1)
-    return np.stack([sphere_tokens(rng, args.tokens, d) for _ in range(max(args.batch, 1))])
+    if args.batch <= 0:
+        raise ValueError(f"--batch must be positive, got {args.batch}")
+    if args.batch == 1:
+        return sphere_tokens(rng, args.tokens, d)
+    return np.stack([sphere_tokens(rng, args.tokens, d) for _ in range(args.batch)])
