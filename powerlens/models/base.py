@@ -29,6 +29,7 @@ class ModelInfo:
     final_norm_in_hidden_states: HF applies the final norm to the last hidden state
     (GPT-2, GPT-Neo, Llama). pad_token_id, bos_token_id: for embedding.
     position_offset: RoBERTa's positions start at padding_idx + 1.
+    inner_group_num: ALBERT's layers per group (unique layer u is in group u // inner_group_num).
     """
 
     family: str
@@ -42,6 +43,7 @@ class ModelInfo:
     bos_token_id: Optional[int] = None
     position_offset: int = 0
     name: str = ""
+    inner_group_num: int = 1          # ALBERT: unique layer u belongs to group u // inner_group_num
 
 
 @struct.dataclass

@@ -1,0 +1,78 @@
+"""``powerlens spectrum MODEL`` and ``powerlens align MODEL``."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import numpy as np
+
+from .. import io
+from ..analysis import plots
+from ..analysis.alignment import align_model, model_spectra
+from ..analysis.spectra import spectra_json
+from .simulate import settings_of
+
+
+def read_prompts(args) -> List[str]:
+    """Prompts from repeated ``--text`` and/or a ``--prompts`` file (one per line, blanks skipped)."""
+    texts = list(args.text or [])
+    if getattr(args, "prompts", None):
+        if not os.path.isfile(args.prompts):
+            raise ValueError(f"--prompts file {args.prompts!r} does not exist")
+        with open(args.prompts, encoding="utf-8") as fh:
+            texts += [line.strip() for line in fh if line.strip()]
+    if not texts:
+        raise ValueError("no prompts: give --text \"...\" (repeatable) or --prompts FILE")
+    for i, t in enumerate(texts):
+        if not t.strip():
+            raise ValueError(f"prompt {i} is empty")
+    return texts
+
+
+def layers_json(model, spectra) -> list:
+    """spectrum.json's ``layers`` list, with the ALBERT group index where there is one."""
+    out = spectra_json(spectra)
+    info = model.info
+    if info is not None and info.family == "albert":
+        for entry in out:
+            entry["group"] = entry["layer"] // max(info.inner_group_num, 1)
+    return out
+
+
+def cmd_spectrum_model(args) -> int:
+    from ..models import load
+    model = load(args.model)
+    spectra = model_spectra(model)
+    doc = {"settings": {**settings_of(args), "versions": io.versions()},
+           "model": {"family": model.info.family, "source": model.info.source,
+                     "unique_layers": model.layers.n_unique, "schedule": list(model.layers.schedule)},
+           "layers": layers_json(model, spectra)}
+    with io.output_dir(args.out) as stage:
+        io.write_json(os.path.join(stage, "spectrum.json"), doc)
+        plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"),
+                               title=f"{args.model}: eigenvalues of F_t = O_t V_t")
+    differ = [s.layer for s in spectra if s.orderings_differ]
+    print(f"wrote {args.out}: spectrum.json, eigenvalues.png ({len(spectra)} layers; orderings differ at {differ})")
+    return 0
+
+
+def cmd_align(args) -> int:
+    from ..models import load
+    texts = read_prompts(args)
+    if (args.shared_layer is None) != (args.steps is None):
+        raise ValueError("--shared-layer and --steps go together")
+    model = load(args.model)
+    result = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
+                         seed=args.seed, progress=not args.quiet)
+    doc = {"settings": {**settings_of(args), "versions": io.versions()}, **result.to_json(),
+           "layers": layers_json(model, result.spectra)}
+    with io.output_dir(args.out) as stage:
+        io.write_json(os.path.join(stage, "align.json"), doc)
+        result.plot(stage, title=args.model)
+    print(f"wrote {args.out}: align.json, alignment figures ({result.n_tokens} tokens, {len(texts)} prompts)")
+    for order in ("shifted", "plain"):
+        rows = result.rows[order]
+        g = np.nanmean([r["gamma"] for r in rows[1:] if r["gamma"] is not None])
+        rho = np.nanmean([r["rho"] for r in rows[1:] if r["rho"] is not None])
+        print(f"  {order:>7}: mean gamma_t={g:.3f} (chance {rows[1]['chance_gamma']:.3f}), mean rho_t={rho:.3f}")
+    return 0
