@@ -1,0 +1,302 @@
+"""How large must alpha be? Two answers (design.md §4).
+
+(a) Spectral: the smallest alpha from which u's direction is principal in the shifted
+    ordering. Precisely, for F'(alpha) = F + alpha u z^T the condition P(alpha) is
+
+      the eigenvalue lambda_1 of largest |1 + lambda| is real and strictly dominant
+      (|1 + lambda_1| > (1 + gap_rtol) |1 + lambda_2|), its eigenvector v_1 is, of all
+      eigenvectors of F', the one closest to u (largest |cos|; this picks the rank-1
+      branch, not an unrelated eigenvector that happens to lean toward u, which a
+      non-normal F can have), and |cos(v_1, u)| >= cos_tol.
+
+    :func:`principal_alpha` returns alpha* = inf{a : P(alpha) holds for every scanned
+    alpha >= a}: a log grid over [1e-4, 1e5] x scale (scale = 1 + max |lambda(F)|) finds
+    the last grid point where P fails, then bisection on the exact spectrum (numpy eig,
+    float64) refines the crossing to ``rtol``. When u is an eigenvector of F with
+    eigenvalue lambda_k and z = u (w = "inverse") the eigenvector is u itself and the
+    closed form is alpha* = max_{j != k} |1 + lambda_j| - (1 + lambda_k).
+
+(b) Alignment after one step of the ``paper`` rule: the smallest alpha for which every
+    valid token leaving the steered layer has cos(y_i, u) >= c. Attention A does not
+    depend on W_o, so for the input X (n, d) of the steered layer
+
+      m_i = concat_h V_h (A_h X)_i  (+ b_v when the bias is kept)          (H e,)
+      y~_i = x_i + W_o' m_i (+ b_o) = p_i + alpha s_i u,                    s_i = w.m_i
+      p_i  = x_i + W_o m_i (+ b_o),  b_i = p_i.u,  p_perp_i = ||p_i - b_i u||
+
+    N2 does not change the angle, so with beta_i = alpha s_i
+
+      cos(y_i, u) = (b_i + beta_i) / sqrt(p_perp_i^2 + (b_i + beta_i)^2),
+
+    increasing in b_i + beta_i. Setting it to c (0 < c < 1) and solving:
+
+      beta_i* = c p_perp_i / sqrt(1 - c^2) - b_i.
+
+    Token i is satisfied iff alpha s_i >= beta_i*:
+      s_i > 0: alpha >= beta_i*/s_i (a lower bound);
+      s_i < 0: alpha <= beta_i*/s_i (an upper bound; no alpha > 0 when beta_i* > 0);
+      s_i = 0: always if beta_i* <= 0, never otherwise.
+    alpha_min = max(0, max_{s_i > 0} beta_i*/s_i), feasible iff it is below every upper
+    bound; otherwise :func:`alignment_alpha` raises, naming the token (use w="value", whose
+    s_i = ||V u||^{-1} (V u).m_i, or a learned w). alpha_min = 0 means the tokens are
+    already aligned. The alignment is the *signed* cosine with +u (we steer toward u).
+
+    X is the state entering the steered step: for a layer-varying model steered at its last
+    layer, the output of the first L-1 layers (computed here under the same rule). The
+    relation is one-step: the steered unique layer must be applied once in the schedule
+    (for a shared-weight system use ``layers.with_schedule((0,))``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..analysis.spectra import Subspaces
+from ..dynamics.layer import attention_output
+from ..dynamics.params import Layers
+from ..dynamics.simulate import check_tokens, simulate_batch
+from .directions import as_direction
+from .rank1 import choose_w, host_matrices, layer_index
+
+
+def check_target(c, name: str = "target alignment") -> float:
+    try:
+        v = float(c)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in (0, 1), got {c!r}") from None
+    if not np.isfinite(v) or not 0.0 < v < 1.0:
+        raise ValueError(f"{name} must lie strictly between 0 and 1, got {c!r}")
+    return v
+
+
+# ------------------------------------------------------------------ (a) spectral
+
+@dataclasses.dataclass
+class PrincipalAlpha:
+    alpha: float                # the smallest alpha from which u's direction is principal
+    eigenvalue: complex         # principal eigenvalue of F'(alpha) (shifted ordering)
+    cos: float                  # |cos(v_1, u)| at alpha
+    cos_tol: float
+
+    def to_json(self):
+        return {"alpha": self.alpha, "eigenvalue": [self.eigenvalue.real, self.eigenvalue.imag],
+                "cos": self.cos, "cos_tol": self.cos_tol}
+
+
+def _principal_ok(F, u, z, alphas, cos_tol, gap_rtol):
+    """P(alpha) for a batch of alphas: (ok (G,), top eigenvalue (G,), |cos| (G,))."""
+    Fs = F[None] + np.asarray(alphas)[:, None, None] * np.outer(u, z)[None]
+    ev, vecs = np.linalg.eig(Fs)
+    key = np.abs(1.0 + ev)
+    order = np.argsort(-key, axis=1)
+    i1, i2 = order[:, 0], order[:, 1]
+    g = np.arange(len(alphas))
+    lam = ev[g, i1]
+    v = vecs[g, :, i1]
+    real = np.abs(lam.imag) <= 1e-12 * (1.0 + np.abs(lam))
+    cos_all = np.abs(np.einsum("gdk,d->gk", vecs, u)) / np.maximum(np.linalg.norm(vecs, axis=1), 1e-300)
+    cos = cos_all[g, i1]
+    closest = cos >= cos_all.max(axis=1) * (1.0 - 1e-12)
+    dominant = key[g, i1] > (1.0 + gap_rtol) * key[g, i2]
+    return real & dominant & closest & (cos >= cos_tol), lam, cos
+
+
+def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
+                    cos_tol: float = 0.95, gap_rtol: float = 1e-9, rtol: float = 1e-7,
+                    grid: int = 28) -> PrincipalAlpha:
+    """(a): the smallest alpha making u's direction principal in the shifted ordering."""
+    l = layer_index(layers, layer)
+    u = as_direction(u, layers.config.d_model)
+    cos_tol = check_target(cos_tol, "cos_tol") if cos_tol != 1.0 else 1.0
+    _, V, F = host_matrices(layers, l)
+    z = V.T @ choose_w(V, u, w, l)
+    scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(F))))
+    alphas = scale * np.logspace(-4, 5, grid)  # one batched eig; then ~log2(ratio/rtol) single eigs
+    ok, _, _ = _principal_ok(F, u, z, alphas, cos_tol, gap_rtol)
+    if not ok[-1]:
+        raise ValueError(f"u's direction is not principal (|cos| >= {cos_tol}) even at alpha={alphas[-1]:.3g} "
+                         f"on layer {l}: z.u = {float(z @ u):.3g}; choose another w")
+    fails = np.nonzero(~ok)[0]
+    if len(fails) == 0:
+        lo, hi = 0.0, alphas[0]
+        lo_ok = bool(_principal_ok(F, u, z, np.array([1e-300]), cos_tol, gap_rtol)[0][0])
+        if lo_ok:  # already principal without steering
+            hi = 0.0
+    else:
+        lo, hi = alphas[fails[-1]], alphas[fails[-1] + 1]
+    while hi - lo > rtol * max(hi, 1e-300) and hi > 0:
+        mid = 0.5 * (lo + hi)
+        if _principal_ok(F, u, z, np.array([mid]), cos_tol, gap_rtol)[0][0]:
+            hi = mid
+        else:
+            lo = mid
+    _, lam, cos = _principal_ok(F, u, z, np.array([max(hi, 1e-300)]), cos_tol, gap_rtol)
+    return PrincipalAlpha(alpha=float(hi), eigenvalue=complex(lam[0]), cos=float(cos[0]), cos_tol=cos_tol)
+
+
+# ------------------------------------------------------------------ (b) one-step alignment
+
+def steered_steps(layers: Layers, layer: int) -> Tuple[int, ...]:
+    """The schedule steps that apply unique layer ``layer``."""
+    l = layer_index(layers, layer)
+    steps = tuple(t for t, s in enumerate(layers.schedule) if s == l)
+    if not steps:
+        raise ValueError(f"unique layer {l} is never applied by the schedule {layers.schedule}")
+    return steps
+
+
+def _null_subspaces(layers):
+    U, d = layers.n_unique, layers.config.d_model
+    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
+
+
+def prepare_tokens(layers: Layers, x0, valid=None):
+    """x0 -> (B, n, d) float array in the layers' dtype, valid (B, n) bool (validated)."""
+    x = check_tokens(x0, layers.config.d_model)
+    if x.ndim == 2:
+        x = x[None]
+    if valid is None:
+        valid = np.ones(x.shape[:2], bool)
+    valid = np.asarray(valid, bool).reshape(x.shape[:2]) if np.size(valid) == np.prod(x.shape[:2]) else None
+    if valid is None:
+        raise ValueError(f"valid mask does not match the prompts' shape {x.shape[:2]}")
+    if not valid.any(axis=1).all():
+        raise ValueError("a prompt has no valid token (empty prompt)")
+    return jnp.asarray(x, layers.W_v.dtype), jnp.asarray(valid)
+
+
+def entering_states(layers: Layers, x0, valid=None, *, layer: int = -1, rule: str = "paper",
+                    attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None):
+    """The tokens entering the first step that applies unique layer ``layer``: (B, n, d).
+
+    They do not depend on that layer's W_o (earlier steps use other layers)."""
+    X, valid = prepare_tokens(layers, x0, valid)
+    t = steered_steps(layers, layer)[0]
+    if t == 0:
+        return X, valid
+    head = layers.with_schedule(layers.schedule[:t])
+    traj = simulate_batch(head, X, _null_subspaces(head), valid=valid, rule=rule, attention=attention,
+                          keep_bias=keep_bias, positions=positions)
+    return traj.final, valid
+
+
+def _one_step_terms(lp, X, valid, keep_bias, attention, positions):
+    """p (n, d) and m (n, H e) of one prompt for one layer (see module docstring)."""
+    He = lp.W_o.shape[1]
+    mixer = lp.replace(W_o=jnp.eye(He, dtype=lp.W_o.dtype), b_o=None)
+    m = attention_output(mixer, X, valid, attention=attention, keep_bias=keep_bias, positions=positions)
+    p = X + m @ lp.W_o.T
+    if keep_bias and lp.b_o is not None:
+        p = p + lp.b_o
+    return p, m
+
+
+_terms_batch = jax.jit(jax.vmap(_one_step_terms, in_axes=(None, 0, 0, None, None, None)),
+                       static_argnames=("keep_bias", "attention"))
+
+
+@dataclasses.dataclass
+class AlignmentAlpha:
+    alpha: float                 # smallest alpha >= 0 with cos(y_i, u) >= c for all valid tokens
+    target: float                # c
+    worst: Tuple[int, int]       # (prompt, token) that sets alpha
+    upper: float                 # largest feasible alpha (inf unless some s_i < 0)
+    beta_star: np.ndarray        # (B, n) required beta_i*
+    s: np.ndarray                # (B, n) s_i = w.m_i
+    b: np.ndarray                # (B, n) p_i.u
+    p_perp: np.ndarray           # (B, n)
+    valid: np.ndarray            # (B, n)
+    w: np.ndarray                # (H e,)
+
+    def cos(self, alpha) -> np.ndarray:
+        """Predicted cos(y_i, u) at ``alpha`` (B, n), NaN on padding."""
+        q = self.b + alpha * self.s
+        out = q / np.sqrt(self.p_perp ** 2 + q ** 2)
+        return np.where(self.valid, out, np.nan)
+
+    def to_json(self):
+        return {"alpha": self.alpha, "target": self.target, "worst_token": list(self.worst),
+                "upper": self.upper if np.isfinite(self.upper) else None}
+
+
+def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
+                    w: Union[str, np.ndarray] = "inverse", layer: int = -1, keep_bias: bool = False,
+                    attention: str = "softmax", positions=None) -> AlignmentAlpha:
+    """(b) for the ``paper`` rule: exact alpha from the one-step relation (module docstring).
+
+    X: tokens *entering* the steered layer, (n, d) or (B, n, d) (see :func:`entering_states`).
+    """
+    c = check_target(target)
+    l = layer_index(layers, layer)
+    d = layers.config.d_model
+    u = as_direction(u, d)
+    _, V, _ = host_matrices(layers, l)
+    wv = choose_w(V, u, w, l)
+    Xb, vb = prepare_tokens(layers, X, valid)
+    p, m = _terms_batch(layers.layer(l), Xb, vb, keep_bias, attention, positions)
+    p = np.asarray(p, np.float64)
+    m = np.asarray(m, np.float64)
+    vb = np.asarray(vb)
+    s = m @ wv
+    b = p @ u
+    p_perp = np.sqrt(np.maximum(np.sum(p * p, -1) - b * b, 0.0))
+    beta = c * p_perp / np.sqrt(1.0 - c * c) - b
+    pos = vb & (s > 0)
+    lower = np.where(pos, beta / np.where(pos, s, 1.0), -np.inf)
+    neg = vb & (s < 0)
+    upper_each = np.where(neg, beta / np.where(neg, s, -1.0), np.inf)
+    zero_bad = vb & (s == 0) & (beta > 0)
+    if zero_bad.any():
+        i = tuple(int(k) for k in np.argwhere(zero_bad)[0])
+        raise ValueError(f"token {i} (prompt, position) has s = w.m = 0: the rank-1 term does not reach it, "
+                         f"so no alpha aligns it to {c}; use another w")
+    alpha = max(0.0, float(lower.max()))
+    upper = float(upper_each.min())
+    if alpha > upper:
+        i = tuple(int(k) for k in np.unravel_index(np.argmin(upper_each), upper_each.shape))
+        raise ValueError(
+            f"no alpha > 0 gives every token alignment {c}: token {i} (prompt, position) has s = w.m = "
+            f"{s[i]:.3g} < 0, so increasing alpha turns it away from u (it needs alpha <= {upper:.3g} but "
+            f"another token needs alpha >= {alpha:.3g}); use w='value' or a learned w")
+    worst = tuple(int(k) for k in np.unravel_index(np.argmax(lower), lower.shape))
+    return AlignmentAlpha(alpha=alpha, target=c, worst=worst, upper=upper, beta_star=np.where(vb, beta, np.nan),
+                          s=np.where(vb, s, np.nan), b=np.where(vb, b, np.nan),
+                          p_perp=np.where(vb, p_perp, np.nan), valid=vb, w=wv)
+
+
+@dataclasses.dataclass
+class MinimalAlpha:
+    principal: PrincipalAlpha
+    alignment: Optional[AlignmentAlpha]
+
+    def to_json(self):
+        return {"principal": self.principal.to_json(),
+                "alignment": None if self.alignment is None else self.alignment.to_json()}
+
+
+def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.99,
+                  w: Union[str, np.ndarray] = "inverse", layer: int = -1, cos_tol: float = 0.95,
+                  keep_bias: bool = False, attention: str = "softmax", positions=None) -> MinimalAlpha:
+    """Both minimal alphas: (a) spectral, (b) one-step alignment of every token (``paper`` rule).
+
+    x0: initial tokens (n, d) or (B, n, d); the steps before the steered one are run
+    unsteered under ``paper`` to get the tokens entering it. The steered unique layer must
+    be applied exactly once. Without x0 only (a) is computed.
+    """
+    principal = principal_alpha(layers, u, w=w, layer=layer, cos_tol=cos_tol)
+    if x0 is None:
+        return MinimalAlpha(principal, None)
+    steps = steered_steps(layers, layer)
+    if len(steps) > 1:
+        raise ValueError(f"unique layer {layer_index(layers, layer)} is applied at steps {steps}; the exact "
+                         f"one-step relation needs it applied once (for a shared-weight system use "
+                         f"layers.with_schedule((0,)))")
+    X, vb = entering_states(layers, x0, valid, layer=layer, rule="paper", attention=attention,
+                            keep_bias=keep_bias, positions=positions)
+    return MinimalAlpha(principal, alignment_alpha(layers, X, u, target=target, valid=vb, w=w, layer=layer,
+                                                   keep_bias=keep_bias, attention=attention,
+                                                   positions=positions))

@@ -1,0 +1,209 @@
+"""What steering does to a model's outputs, and the activation-addition baseline.
+
+All runs use the model's own forward pass (rule ``full``, FFN included), with the steered
+unique layer's W_o replaced by W_o + delta_O.
+
+Three conditions are compared on the same prompts:
+
+    before               the unmodified model
+    rank1                W_o[l] <- W_o[l] + delta_O (closed form or gradient result)
+    activation_addition  h <- h + beta u added to the residual stream at the output of the
+                         step that applies layer l (its last application), the usual
+                         steering-vector recipe
+
+Equal-norm comparison. Let Y (tokens leaving that step, unsteered) and Y' (the same with
+the rank-1 change). The size of the rank-1 change is
+
+    Delta = mean over valid tokens of ||Y'_i - Y_i||_2,
+
+and activation addition changes every token of that output by exactly beta u with
+||beta u|| = beta, so beta = Delta makes the two changes equal in mean norm.
+
+Measures (per condition):
+
+    alignment        mean over valid final tokens of cos(h_i, u)  (last hidden state,
+                     before the final norm)
+    pooled_cos       cos(mean over valid tokens of h_i, u), per prompt (the
+                     sentence-embedding view of an encoder such as MiniLM)
+    paper_rule_alignment   (before and rank1 only) mean / min cos(y_i, u) of the final
+                     tokens of the ``paper`` dynamics, the quantity the closed form and the
+                     optimiser control
+    decoders only:   top-k next tokens at each prompt's last valid token (id, string,
+                     probability), the probability of the target token, and the perplexity
+                     exp(mean NLL of token t+1 given tokens <= t) on neutral sentences.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..analysis.spectra import Subspaces
+from ..dynamics.simulate import simulate_batch
+from .directions import as_direction
+from .rank1 import layer_index, steer_layers
+
+
+def steered_model(model, delta_O, layer: int = -1):
+    """The model with W_o[layer] += delta_O (d, H e)."""
+    return model.replace(layers=steer_layers(model.layers, delta_O, layer))
+
+
+def _null(layers):
+    U, d = layers.n_unique, layers.config.d_model
+    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
+
+
+def _run(layers, schedule, X, valid, rule="full"):
+    if not schedule:
+        return X
+    sub = layers.with_schedule(schedule)
+    return simulate_batch(sub, X, _null(sub), valid=valid, rule=rule).final
+
+
+def paper_alignment(layers, x0, valid, u) -> dict:
+    """cos(y_i, u) of the final tokens of the ``paper`` dynamics (the rule the closed form and
+    the optimiser target): mean and min over valid tokens."""
+    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
+    v = np.asarray(valid, bool)
+    cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
+    return {"mean": float(cos[v].mean()), "min": float(cos[v].min())}
+
+
+def last_step(layers, layer: int) -> int:
+    """The last schedule step that applies unique layer ``layer``."""
+    l = layer_index(layers, layer)
+    steps = [t for t, s in enumerate(layers.schedule) if s == l]
+    if not steps:
+        raise ValueError(f"unique layer {l} is never applied by the schedule {layers.schedule}")
+    return steps[-1]
+
+
+def forward_final(model, x0, valid, *, layer: int = -1, add=None):
+    """(final hidden state (B, n, d), output of the steered step (B, n, d)) under rule ``full``.
+
+    ``add`` (d,): a vector added to every token of that step's output (activation addition)."""
+    layers = model.layers
+    sched = layers.schedule
+    t = last_step(layers, layer)
+    X = jnp.asarray(x0, layers.W_v.dtype)
+    Y = _run(layers, sched[: t + 1], X, valid)
+    if add is not None:
+        Y = Y + jnp.asarray(add, Y.dtype)
+    return _run(layers, sched[t + 1:], Y, valid), Y
+
+
+def _cos_stats(h, valid, u):
+    h = np.asarray(h, np.float64)
+    v = np.asarray(valid, bool)
+    cos = (h @ u) / np.linalg.norm(h, axis=-1)
+    pooled = (h * v[..., None]).sum(1) / v.sum(1, keepdims=True)
+    pooled_cos = pooled @ u / np.linalg.norm(pooled, axis=-1)
+    return {"alignment": float(cos[v].mean()),
+            "alignment_per_token": [c[m].tolist() for c, m in zip(cos, v)],
+            "pooled_cos": pooled_cos.tolist(), "pooled_cos_mean": float(pooled_cos.mean())}
+
+
+def _token_strings(model, ids):
+    try:
+        from ..models.embed import tokenizer
+        tok = tokenizer(model)
+        return [tok.decode([int(i)]) for i in ids]
+    except Exception:  # noqa: BLE001 - no tokenizer: report ids only
+        return [str(int(i)) for i in ids]
+
+
+def _log_softmax(logits):
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1), np.float64)
+
+
+def next_token_stats(model, h, valid, *, target_id: Optional[int] = None, k: int = 5):
+    """Top-k next tokens and the target probability at each prompt's last valid token."""
+    from ..models.forward import logits as model_logits
+    v = np.asarray(valid, bool)
+    last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
+    hl = jnp.asarray(h)[jnp.arange(h.shape[0]), jnp.asarray(last)]          # (B, d)
+    logp = _log_softmax(model_logits(model, hl[:, None])[:, 0])            # (B, V)
+    p = np.exp(logp)
+    out = {"topk": [], "target_prob": None}
+    for b in range(p.shape[0]):
+        ids = np.argsort(-p[b])[:k]
+        out["topk"].append([{"id": int(i), "token": s, "prob": float(p[b, i])}
+                            for i, s in zip(ids, _token_strings(model, ids))])
+    if target_id is not None:
+        out["target_prob"] = p[:, int(target_id)].tolist()
+        out["target_prob_mean"] = float(p[:, int(target_id)].mean())
+    return out
+
+
+def perplexity(model, ids, valid, h) -> float:
+    """exp(mean over valid pairs (t, t+1) of -log p(id_{t+1} | ids_{<= t})) from final states h."""
+    from ..models.forward import logits as model_logits
+    ids = np.asarray(ids)
+    v = np.asarray(valid, bool)
+    logp = _log_softmax(model_logits(model, jnp.asarray(h)))                 # (B, n, V)
+    nxt = np.take_along_axis(logp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
+    pair = v[:, 1:] & v[:, :-1]
+    if not pair.any():
+        raise ValueError("perplexity needs sentences of at least two tokens")
+    return float(np.exp(-nxt[pair].mean()))
+
+
+def _ids(model, texts):
+    from ..models.embed import pad_ids, tokenize
+    if isinstance(texts, str) or (len(texts) and isinstance(texts[0], str)):
+        ids = tokenize(model, texts)
+    else:
+        ids = [list(np.asarray(r).reshape(-1)) for r in texts]
+    pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
+    return pad_ids(ids, pad)
+
+
+def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Optional[int] = None,
+                   k: int = 5, neutral: Optional[Sequence] = None) -> dict:
+    """Before / rank-1 / activation-addition effects on the model's outputs (module docstring).
+
+    Args:
+      model: a loaded :class:`~powerlens.models.base.Model`.
+      u: steering direction (d,) (normalised here).
+      delta_O: the rank-1 (or low-rank) change of W_o[layer], (d, H e).
+      prompts: texts or token-id lists.
+      target_id: decoders: the token whose probability is reported.
+      neutral: decoders: sentences (texts or ids) for the perplexity cost.
+    Returns a JSON-ready dict.
+    """
+    from ..models.embed import embed_ids
+    d = model.layers.config.d_model
+    u = as_direction(u, d)
+    ids, valid = _ids(model, prompts)
+    x0, vj = embed_ids(model, ids, valid)
+    steered = steered_model(model, delta_O, layer)
+    h0, Y0 = forward_final(model, x0, vj, layer=layer)
+    h1, Y1 = forward_final(steered, x0, vj, layer=layer)
+    v = np.asarray(valid, bool)
+    change = np.linalg.norm(np.asarray(Y1, np.float64) - np.asarray(Y0, np.float64), axis=-1)
+    beta = float(change[v].mean())
+    h2, _ = forward_final(model, x0, vj, layer=layer, add=beta * u)
+    decoder = bool(model.info is not None and model.info.decoder)
+    conds = {"before": (model, h0), "rank1": (steered, h1), "activation_addition": (model, h2)}
+    out = {"layer": layer_index(model.layers, layer), "step": last_step(model.layers, layer),
+           "layer_output_change": beta, "beta": beta, "delta_norm": float(np.linalg.norm(np.asarray(delta_O))),
+           "decoder": decoder, "conditions": {},
+           "paper_rule_alignment": {"before": paper_alignment(model.layers, x0, vj, u),
+                                    "rank1": paper_alignment(steered.layers, x0, vj, u)}}
+    if decoder and neutral is not None:
+        nids, nvalid = _ids(model, neutral)
+        nx0, nvj = embed_ids(model, nids, nvalid)
+        nh = {"before": forward_final(model, nx0, nvj, layer=layer)[0],
+              "rank1": forward_final(steered, nx0, nvj, layer=layer)[0],
+              "activation_addition": forward_final(model, nx0, nvj, layer=layer, add=beta * u)[0]}
+    for name, (m, h) in conds.items():
+        res = _cos_stats(h, v, u)
+        if decoder:
+            res.update(next_token_stats(m, h, v, target_id=target_id, k=k))
+            if neutral is not None:
+                res["perplexity"] = perplexity(m, nids, nvalid, nh[name])
+        out["conditions"][name] = res
+    return out

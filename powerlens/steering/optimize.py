@@ -1,0 +1,308 @@
+"""Gradient-based steering with optax, vmapped over target directions (design.md §4).
+
+Problem, for a direction u (d,), prompts X0 (B, n, d) and the steered unique layer l::
+
+    minimise   ||delta_O||_F^2
+    subject to a(delta_O) >= target,   a = mean (or min) over valid tokens of cos(y_i, u)
+
+where y_i are the *final* tokens of the schedule run under ``rule`` (default ``paper``)
+with W_o[l] + delta_O. Gradients flow through the dynamics (``layer_step`` in a
+``lax.scan``), never through eigenvector derivatives. Steps before the first one that
+applies layer l do not depend on delta_O and are run once, outside the optimisation.
+
+Parameterisations (``param``)::
+
+    "w_alpha"   delta_O = e^a u w^T            (a scalar, w (H e,)), rank 1 with u fixed
+    "lowrank"   delta_O = n0 P Q^T             (P (d, r), Q (H e, r)), rank r, u not imposed
+
+Constraint: augmented Lagrangian for g = target - a <= 0, with normalised norm
+N = ||delta_O||_F^2 / n0^2::
+
+    L(theta; lam) = N + (max(0, lam + mu g)^2 - lam^2) / (2 mu),
+    lam <- max(0, lam + mu g) every ``dual_every`` Adam steps.
+
+Adam's step size follows a cosine decay from ``lr`` to ``0.05 lr`` over the steps (the
+norm shrinks by large factors, so a constant step becomes too large late in the run).
+
+Initialisation is the closed form at the target: w_cf ("inverse" = pinv(V^T) u or "value"),
+alpha_cf found by bisection on log alpha so that a(alpha_cf u w_cf^T) = target (a is
+assumed increasing in alpha along that ray); n0 = ||alpha_cf u w_cf^T||_F, the closed
+form's norm at equal alignment, which the result is compared with. The best feasible
+iterate (a >= target - tol, smallest norm) is returned; the closed form itself is
+feasible, so the result is never worse than it (up to ``tol``).
+
+Everything for one direction is a pure function (``solve_one``); ``optimize_steering``
+jit-compiles it over the prompts and vmaps it over K directions at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..dynamics.layer import check_rule, default_keep_bias, layer_step
+from ..dynamics.params import Layers
+from .alpha import check_target, entering_states, steered_steps
+from .directions import as_direction
+from .rank1 import host_matrices, inverse_map, layer_index
+
+PARAMS = ("w_alpha", "lowrank")
+REDUCTIONS = ("mean", "min")
+
+
+# ------------------------------------------------------------------ pure pieces
+
+def run_tail(layers: Layers, X, valid, tail, *, rule, attention, keep_bias, positions=None):
+    """Final tokens after the steps ``tail`` (static tuple of unique-layer indices): (B, n, d)."""
+    sched = jnp.asarray(tail, jnp.int32)
+
+    def one(X1, v1):
+        def step(Y, s):
+            return layer_step(layers.layer(s), Y, v1, rule=rule, attention=attention, keep_bias=keep_bias,
+                              positions=positions), None
+        return jax.lax.scan(step, X1, sched)[0]
+
+    return jax.vmap(one)(X, valid)
+
+
+def token_cos(Y, u):
+    """cos(y_i, u) for every token: (B, n)."""
+    return (Y @ u) / jnp.linalg.norm(Y, axis=-1)
+
+
+def reduce_alignment(cos, valid, reduce: str):
+    if reduce == "mean":
+        w = valid.astype(cos.dtype)
+        return jnp.sum(cos * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return jnp.min(jnp.where(valid, cos, jnp.inf))
+
+
+def _alignment(layers, delta, X, valid, u, *, layer, tail, rule, attention, keep_bias, reduce, positions):
+    steered = layers.replace(W_o=layers.W_o.at[layer].add(delta))
+    Y = run_tail(steered, X, valid, tail, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions)
+    return reduce_alignment(token_cos(Y, u), valid, reduce)
+
+
+def _delta(params, u, n0, param):
+    if param == "w_alpha":
+        return jnp.exp(params["a"]) * jnp.outer(u, params["w"])
+    return n0 * params["P"] @ params["Q"].T
+
+
+def solve_one(layers, X, valid, u, key, R, positions=None, *, layer: int, tail: Tuple[int, ...], rule: str, attention: str,
+              keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
+              mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
+              lr_floor: float = 0.05):
+    """Optimise one direction u (d,) (unit). R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
+
+    Returns a dict of arrays (see :class:`SteeringResult`)."""
+    dtype = X.dtype
+    align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
+                              attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions)
+    # closed form at the target alignment: bisection on log alpha along alpha u w_cf^T
+    w_cf = R @ u
+    if w_kind == "value":
+        w_cf = w_cf / jnp.linalg.norm(w_cf)
+    ray = lambda log_a: align(jnp.exp(log_a) * jnp.outer(u, w_cf))
+    lo0, hi0 = jnp.asarray(-14.0, dtype), jnp.asarray(14.0, dtype)
+    cf_feasible = ray(hi0) >= target
+
+    def bis(_, lohi):
+        lo, hi = lohi
+        mid = 0.5 * (lo + hi)
+        ok = ray(mid) >= target
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    _, log_cf = jax.lax.fori_loop(0, bisect_iters, bis, (lo0, hi0))
+    alpha_cf = jnp.exp(log_cf)
+    wn = jnp.linalg.norm(w_cf)
+    n0 = alpha_cf * wn
+    cf_align = ray(log_cf)
+    w_hat = w_cf / wn
+    if param == "w_alpha":
+        params = {"a": jnp.log(n0), "w": w_hat}
+    else:
+        d, He = u.shape[0], w_hat.shape[0]
+        k1, k2 = jax.random.split(key)
+        P = 1e-2 * jax.random.normal(k1, (d, rank), dtype) / np.sqrt(d)
+        Q = 1e-2 * jax.random.normal(k2, (He, rank), dtype) / np.sqrt(He)
+        params = {"P": P.at[:, 0].set(u), "Q": Q.at[:, 0].set(w_hat)}
+
+    def objective(p, lam):
+        delta = _delta(p, u, n0, param)
+        N = jnp.sum(delta * delta) / (n0 * n0)
+        a = align(delta)
+        g = target - a
+        L = N + (jnp.square(jnp.maximum(0.0, lam + mu * g)) - lam * lam) / (2.0 * mu)
+        return L, (a, N)
+
+    opt = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=lr_floor))
+    grad = jax.value_and_grad(objective, has_aux=True)
+
+    def step(carry, i):
+        p, state, lam, best_p, best_N, best_a = carry
+        (_, (a, N)), gr = grad(p, lam)
+        feas = a >= target - tol
+        better = feas & (N < best_N)
+        best_p = jax.tree_util.tree_map(lambda b, q: jnp.where(better, q, b), best_p, p)
+        best_N = jnp.where(better, N, best_N)
+        best_a = jnp.where(better, a, best_a)
+        upd, state = opt.update(gr, state, p)
+        p = optax.apply_updates(p, upd)
+        lam = jnp.where((i + 1) % dual_every == 0, jnp.maximum(0.0, lam + mu * (target - a)), lam)
+        return (p, state, lam, best_p, best_N, best_a), (a, N)
+
+    inf = jnp.asarray(jnp.inf, dtype)
+    carry0 = (params, opt.init(params), jnp.asarray(0.0, dtype), params, inf, -inf)
+    (p, _, lam, best_p, best_N, best_a), (hist_a, hist_N) = jax.lax.scan(step, carry0, jnp.arange(steps))
+    # the last iterate is checked too
+    _, (a_last, N_last) = objective(p, lam)
+    better = (a_last >= target - tol) & (N_last < best_N)
+    best_p = jax.tree_util.tree_map(lambda b, q: jnp.where(better, q, b), best_p, p)
+    best_N = jnp.where(better, N_last, best_N)
+    best_a = jnp.where(better, a_last, best_a)
+    found = jnp.isfinite(best_N)
+    delta = _delta(best_p, u, n0, param)
+    return {
+        "delta_O": jnp.where(found, delta, jnp.nan),
+        "norm": jnp.where(found, jnp.sqrt(best_N) * n0, jnp.nan),
+        "alignment": jnp.where(found, best_a, jnp.nan),
+        "feasible": found,
+        "closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
+        "closed_feasible": cf_feasible,
+        "multiplier": lam,
+        "history_alignment": hist_a, "history_norm": jnp.sqrt(hist_N) * n0,
+    }
+
+
+_STATIC = ("layer", "tail", "rule", "attention", "keep_bias", "target", "reduce", "param", "rank", "steps",
+           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters")
+solve_one_jit = jax.jit(solve_one, static_argnames=_STATIC)
+
+
+def solve_many(layers, X, valid, U, keys, R, positions=None, **static):
+    """:func:`solve_one` vmapped over directions U (K, d) and keys (K, 2)."""
+    return jax.vmap(lambda u, k: solve_one(layers, X, valid, u, k, R, positions, **static))(U, keys)
+
+
+solve_many_jit = jax.jit(solve_many, static_argnames=_STATIC)
+
+
+# ------------------------------------------------------------------ public API
+
+@dataclasses.dataclass
+class SteeringResult:
+    """Gradient steering of K directions (leading axis K on every array).
+
+    delta_O (K, d, H e), norm (K,) = ||delta_O||_F, alignment (K,) reached (reduce over
+    valid final tokens), feasible (K,) bool; the closed form at the same target:
+    closed_alpha, closed_w (K, H e), closed_norm, closed_alignment; histories (K, steps)."""
+
+    directions: np.ndarray
+    delta_O: np.ndarray
+    norm: np.ndarray
+    alignment: np.ndarray
+    feasible: np.ndarray
+    closed_alpha: np.ndarray
+    closed_w: np.ndarray
+    closed_norm: np.ndarray
+    closed_alignment: np.ndarray
+    closed_feasible: np.ndarray
+    multiplier: np.ndarray
+    history_alignment: np.ndarray
+    history_norm: np.ndarray
+    target: float
+    reduce: str
+    param: str
+    rank: int
+    layer: int
+    rule: str
+
+    @property
+    def norm_ratio(self) -> np.ndarray:
+        """||delta_O|| (gradient) / ||delta_O|| (closed form) at equal alignment."""
+        return self.norm / self.closed_norm
+
+    def to_json(self, i: int = 0) -> dict:
+        f = lambda a: float(np.asarray(a)[i])
+        return {"param": self.param, "rank": self.rank, "target": self.target, "reduce": self.reduce,
+                "rule": self.rule, "layer": self.layer, "norm": f(self.norm), "alignment": f(self.alignment),
+                "feasible": bool(self.feasible[i]), "closed_alpha": f(self.closed_alpha),
+                "closed_norm": f(self.closed_norm), "closed_alignment": f(self.closed_alignment),
+                "norm_ratio": f(self.norm_ratio)}
+
+
+def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: str = "paper",
+                    attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None):
+    """Tokens entering the first steered step (B, n, d), valid (B, n), and the schedule tail."""
+    check_rule(rule)
+    l = layer_index(layers, layer)
+    kb = default_keep_bias(rule) if keep_bias is None else bool(keep_bias)
+    X, vb = entering_states(layers, x0, valid, layer=l, rule=rule, attention=attention, keep_bias=kb,
+                            positions=positions)
+    t0 = steered_steps(layers, l)[0]
+    return X, vb, tuple(layers.schedule[t0:]), l, kb
+
+
+def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: float = 0.99,
+                      reduce: str = "mean", param: str = "lowrank", rank: int = 1, steps: int = 300,
+                      lr: float = 1e-2, mu: float = 100.0, dual_every: int = 10, tol: float = 1e-4,
+                      w: str = "inverse", layer: int = -1, rule: str = "paper", attention: str = "softmax",
+                      keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
+                      vectorize: bool = True) -> SteeringResult:
+    """Minimise ||delta_O||_F subject to the final-token alignment >= target, for K directions.
+
+    Args:
+      layers: the system; x0: initial tokens (n, d) or (B, n, d) with ``valid`` (B, n).
+      directions: (d,) or (K, d); each is normalised (zero / non-finite / wrong size: error).
+      target: alignment in (0, 1); reduce: ``mean`` or ``min`` over valid final tokens.
+      param: ``w_alpha`` or ``lowrank`` (with ``rank`` r >= 1); steps, lr: Adam;
+      mu, dual_every: augmented Lagrangian; tol: feasibility slack.
+      w: closed-form initial w, ``inverse`` or ``value``.
+      vectorize: one vmapped run over the K directions (default), or a Python loop over
+        the same jitted single-direction function (for the benchmark).
+    """
+    target = check_target(target)
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"unknown reduce {reduce!r}; expected one of {REDUCTIONS}")
+    if param not in PARAMS:
+        raise ValueError(f"unknown param {param!r}; expected one of {PARAMS}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ValueError(f"rank must be a positive integer, got {rank!r}")
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    for name, v in (("lr", lr), ("mu", mu)):
+        if not np.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    if w not in ("inverse", "value"):
+        raise ValueError(f"unknown w {w!r}; expected 'inverse' or 'value'")
+    d = layers.config.d_model
+    D = np.asarray(directions, np.float64)
+    D = D[None] if D.ndim == 1 else D
+    if D.ndim != 2:
+        raise ValueError(f"directions must have shape (d,) or (K, d), got {D.shape}")
+    D = np.stack([as_direction(v, d, name=f"direction {i}") for i, v in enumerate(D)])
+    X, vb, tail, l, kb = prepare_problem(layers, x0, valid, layer=layer, rule=rule, attention=attention,
+                                         keep_bias=keep_bias, positions=positions)
+    _, V, _ = host_matrices(layers, l)
+    R = inverse_map(V, l) if w == "inverse" else V
+    dtype = layers.W_v.dtype
+    R = jnp.asarray(R, dtype)
+    U = jnp.asarray(D, dtype)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(D))
+    kw = dict(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target, reduce=reduce,
+              param=param, rank=int(rank), steps=int(steps), lr=float(lr), mu=float(mu),
+              dual_every=int(dual_every), tol=float(tol), w_kind=w)
+    if vectorize:
+        out = solve_many_jit(layers, X, vb, U, keys, R, positions, **kw)
+    else:
+        outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, **kw) for i in range(len(D))]
+        out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+    out = jax.tree_util.tree_map(np.asarray, out)
+    return SteeringResult(directions=D, target=target, reduce=reduce, param=param, rank=int(rank), layer=l,
+                          rule=rule, **out)

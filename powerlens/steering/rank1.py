@@ -1,0 +1,252 @@
+"""Closed-form rank-1 steering of one layer's output matrix (design.md §4).
+
+Column-vector maths. The unique layer ``l`` has W_o (d, H e) and the value matrix
+V_cat (H e, d) (grouped-query heads expanded), so F = W_o V_cat. The perturbation
+
+    O' = O + alpha u w^T          u (d,) unit, w (H e,), alpha > 0
+    F' = F + alpha u z^T          z = V_cat^T w  (d,)
+
+Choices of w:
+
+    "inverse"  w = V_cat (V_cat^T V_cat)^{-1} u = pinv(V_cat^T) u, the minimum-norm w with
+               z = u exactly (needs V_cat of full column rank d, i.e. H e >= d);
+    "value"    w = V_cat u / ||V_cat u||, the unit w with the largest z.u = ||V_cat u||;
+    an array   any (H e,) vector.
+
+Asymptotics. An eigenpair of F' off the spectrum of F satisfies (lambda I - F) x =
+alpha u (z.x), so x ∝ (lambda I - F)^{-1} u and 1 = alpha z^T (lambda I - F)^{-1} u.
+Expanding (lambda I - F)^{-1} = lambda^{-1} (I + F/lambda + ...) gives
+
+    lambda' = alpha (z.u) + z^T F u / (z.u) + O(1/alpha),    x' ∝ (lambda' I - F)^{-1} u,
+
+(defined when z.u != 0). When u is an eigenvector of F (F u = lambda_k u) and z = u,
+det(lambda I - F') = det(lambda I - F) (1 - alpha/(lambda - lambda_k)): lambda_k moves to
+lambda_k + alpha and every other eigenvalue stays put.
+
+Shared weights: for an ALBERT-like system (one unique layer applied at every step)
+perturbing unique layer ``l`` perturbs *every* step that applies it, not just the last.
+
+Storage: :func:`checkpoint_delta` returns the change in the checkpoint's own layout
+(GPT-2's Conv1D stores ``c_proj.weight`` as (in, out) = (H e, d), so its delta is
+delta_O^T = alpha w u^T; Hugging Face ``Linear`` and GGUF store (out, in) = delta_O).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import numpy as np
+
+from ..analysis.spectra import LayerSpectrum, layer_spectra
+from ..dynamics.params import Layers, value_matrix
+from .directions import as_direction
+
+W_CHOICES = ("inverse", "value")
+# families whose output projection is stored (out, in) = (d, H e), like W_o
+_LINEAR_FAMILIES = ("bert", "albert", "roberta", "distilbert", "gpt_neo", "llama", "synthetic")
+_CONV1D_FAMILIES = ("gpt2",)
+
+
+def layer_index(layers: Layers, layer: int) -> int:
+    """Normalise a (possibly negative) unique-layer index, with a clear error."""
+    U = layers.n_unique
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise ValueError(f"layer must be an integer unique-layer index, got {layer!r}")
+    if not -U <= layer < U:
+        raise ValueError(f"layer {layer} is out of range for {U} unique layer(s)")
+    return int(layer) % U
+
+
+def check_alpha(alpha) -> float:
+    try:
+        a = float(alpha)
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a positive number, got {alpha!r}") from None
+    if not np.isfinite(a) or a <= 0:
+        raise ValueError(f"alpha must be a finite number > 0, got {alpha!r}")
+    return a
+
+
+def host_matrices(layers: Layers, layer: int):
+    """W_o (d, H e), V_cat (H e, d) and F = W_o V_cat of unique layer ``layer`` in float64."""
+    l = layer_index(layers, layer)
+    W_o = np.asarray(layers.W_o[l], np.float64)
+    V = np.asarray(value_matrix(layers)[l], np.float64)
+    return W_o, V, W_o @ V
+
+
+def inverse_map(V: np.ndarray, layer: int = -1) -> np.ndarray:
+    """pinv(V^T) = V (V^T V)^{-1}: (H e, d). Error if V^T V is singular (rank < d)."""
+    He, d = V.shape
+    if He < d:
+        raise ValueError(f"w='inverse' needs H*d_head >= d, but layer {layer} has H*d_head={He} < d={d}; "
+                         f"use w='value' or an explicit w")
+    sv = np.linalg.svd(V, compute_uv=False)
+    if sv[-1] <= sv[0] * max(He, d) * np.finfo(np.float64).eps * 10:
+        raise ValueError(f"w='inverse' needs V_cat^T V_cat invertible, but layer {layer}'s value matrix is "
+                         f"rank-deficient (smallest singular value {sv[-1]:.3g}, largest {sv[0]:.3g}); "
+                         f"use w='value' or an explicit w")
+    return V @ np.linalg.inv(V.T @ V)
+
+
+def choose_w(V: np.ndarray, u: np.ndarray, w: Union[str, np.ndarray], layer: int = -1) -> np.ndarray:
+    """The read-in vector w (H e,) for direction u (see module docstring)."""
+    He = V.shape[0]
+    if isinstance(w, str):
+        if w == "inverse":
+            return inverse_map(V, layer) @ u
+        if w == "value":
+            Vu = V @ u
+            n = np.linalg.norm(Vu)
+            if n == 0:
+                raise ValueError(f"w='value' is undefined: V_cat u = 0 on layer {layer} (u is in the value null space)")
+            return Vu / n
+        raise ValueError(f"unknown w {w!r}; expected one of {W_CHOICES} or an array of shape ({He},)")
+    a = np.asarray(w, np.float64)
+    if a.shape != (He,):
+        raise ValueError(f"w must have shape ({He},) (H*d_head of layer {layer}), got {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError("w contains non-finite values (NaN or inf)")
+    if not np.any(a):
+        raise ValueError("w is the zero vector")
+    return a
+
+
+def steer_layers(layers: Layers, delta_O, layer: int = -1) -> Layers:
+    """Layers with W_o[layer] += delta_O (d, H e). Works on NumPy or traced JAX arrays."""
+    import jax.numpy as jnp
+    l = layer_index(layers, layer)
+    W_o = layers.W_o
+    delta = jnp.asarray(delta_O, W_o.dtype)
+    if tuple(delta.shape) != tuple(W_o.shape[1:]):
+        raise ValueError(f"delta_O has shape {tuple(delta.shape)}, expected {tuple(W_o.shape[1:])} (d, H*d_head)")
+    return layers.replace(W_o=W_o.at[l].add(delta))
+
+
+def checkpoint_delta(family: str, delta_O) -> np.ndarray:
+    """delta_O in the checkpoint's storage layout of the output projection.
+
+    GPT-2 (Conv1D, weight (in, out)): delta_O^T = alpha w u^T. Every other supported
+    family (nn.Linear / GGUF, weight (out, in)): delta_O itself.
+    """
+    d = np.asarray(delta_O)
+    if d.ndim != 2:
+        raise ValueError(f"delta_O must be a matrix (d, H*d_head), got shape {d.shape}")
+    if family in _CONV1D_FAMILIES:
+        return d.T
+    if family in _LINEAR_FAMILIES:
+        return d
+    raise ValueError(f"unknown storage layout for family {family!r}; known: {_CONV1D_FAMILIES + _LINEAR_FAMILIES}")
+
+
+def asymptotic_prediction(F: np.ndarray, u: np.ndarray, z: np.ndarray, alpha: float):
+    """lambda' = alpha z.u + z^T F u / z.u and x' ∝ (lambda' I - F)^{-1} u (unit, x'.u >= 0).
+
+    Returns (nan, nan-vector) when z.u = 0 (no rank-1 branch to leading order).
+    """
+    zu = float(z @ u)
+    d = F.shape[0]
+    if abs(zu) <= 1e-14 * np.linalg.norm(z):
+        return float("nan"), np.full(d, np.nan)
+    lam = alpha * zu + float(z @ F @ u) / zu
+    try:
+        x = np.linalg.solve(lam * np.eye(d) - F, u)
+    except np.linalg.LinAlgError:
+        x = u.copy()
+    x = x / np.linalg.norm(x)
+    return lam, x * (1.0 if x @ u >= 0 else -1.0)
+
+
+@dataclasses.dataclass
+class Rank1Result:
+    """Everything about one rank-1 perturbation O' = O + alpha u w^T of unique layer ``layer``."""
+
+    layers: Layers                 # the steered parameters (same dtype as the input)
+    layer: int                     # unique-layer index (non-negative)
+    alpha: float
+    u: np.ndarray                  # (d,) unit
+    w: np.ndarray                  # (H e,)
+    z: np.ndarray                  # (d,) = V_cat^T w
+    delta_O: np.ndarray            # (d, H e) = alpha u w^T
+    delta_norm: float              # ||delta_O||_F = alpha ||w||
+    F: np.ndarray                  # (d, d) before
+    F_new: np.ndarray              # (d, d) after = F + alpha u z^T
+    predicted_eigenvalue: float    # asymptotic lambda'
+    predicted_eigenvector: np.ndarray   # (d,) unit
+    branch_eigenvalue: complex     # exact eigenvalue of F' closest to the prediction
+    branch_eigenvector: np.ndarray      # its unit eigenvector (real part, sign to u)
+    spectrum: Optional[LayerSpectrum]   # exact spectrum of F', both orderings (None if not asked)
+
+    @property
+    def exact_top(self) -> complex:
+        """Principal eigenvalue of F' in the shifted ordering (|1 + lambda|); NaN if not computed."""
+        return self.spectrum.shifted.top if self.spectrum is not None else complex(np.nan, np.nan)
+
+    @property
+    def zu(self) -> float:
+        return float(self.z @ self.u)
+
+    def checkpoint_delta(self, family: Optional[str] = None) -> np.ndarray:
+        return checkpoint_delta(family or self.layers.config.family, self.delta_O)
+
+    def to_json(self) -> dict:
+        c = lambda z: [float(np.real(z)), float(np.imag(z))]
+        out = {"layer": self.layer, "alpha": self.alpha, "delta_norm": self.delta_norm, "z_dot_u": self.zu,
+               "predicted_top_eigenvalue": self.predicted_eigenvalue}
+        if self.spectrum is None:
+            return out
+        return {
+            "layer": self.layer, "alpha": self.alpha, "delta_norm": self.delta_norm, "z_dot_u": self.zu,
+            "predicted_top_eigenvalue": self.predicted_eigenvalue,
+            "exact_branch_eigenvalue": c(self.branch_eigenvalue),
+            "exact_top_eigenvalue_shifted": c(self.spectrum.shifted.top),
+            "exact_top_eigenvalue_plain": c(self.spectrum.plain.top),
+            "eigenvector_cos_u": float(abs(self.branch_eigenvector @ self.u)),
+            "predicted_eigenvector_cos_exact": float(abs(self.predicted_eigenvector @ self.branch_eigenvector)),
+            "spectrum": self.spectrum.to_json(),
+        }
+
+
+def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
+          spectrum: bool = True) -> Rank1Result:
+    """Closed-form rank-1 steering O' = O + alpha u w^T of unique layer ``layer``.
+
+    Args:
+      layers: the system (its dtype is kept for the steered parameters).
+      u: direction (d,), normalised here (zero / non-finite / wrong size: ValueError).
+      alpha: strength > 0.
+      w: ``"inverse"`` (z = u), ``"value"`` (max z.u for unit w) or an explicit (H e,) vector.
+      layer: unique-layer index (default the last). For a shared-weight system this
+        perturbs the one shared layer, hence every step.
+      spectrum: compute the exact spectrum of F' (host float64 eig + Schur: a few
+        dense decompositions of a (d, d) matrix); False leaves ``spectrum`` None and the
+        branch eigenpair NaN (for quick parameter edits on large models).
+    """
+    l = layer_index(layers, layer)
+    d = layers.config.d_model
+    u = as_direction(u, d)
+    alpha = check_alpha(alpha)
+    W_o, V, F = host_matrices(layers, l)
+    wv = choose_w(V, u, w, l)
+    z = V.T @ wv
+    delta = alpha * np.outer(u, wv)
+    F_new = F + alpha * np.outer(u, z)
+    lam, x = asymptotic_prediction(F, u, z, alpha)
+    if not spectrum:
+        return Rank1Result(
+            layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, z=z, delta_O=delta,
+            delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
+            predicted_eigenvector=x, branch_eigenvalue=complex(np.nan, np.nan), branch_eigenvector=np.full(d, np.nan),
+            spectrum=None)
+    ev, vecs = np.linalg.eig(F_new)
+    target = lam if np.isfinite(lam) else ev[np.argmax(np.abs(1 + ev))]
+    k = int(np.argmin(np.abs(ev - target)))
+    v = np.real(vecs[:, k])
+    nv = np.linalg.norm(v)
+    v = v / nv if nv > 0 else v
+    v = v * (1.0 if v @ u >= 0 else -1.0)
+    return Rank1Result(
+        layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, z=z, delta_O=delta,
+        delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
+        predicted_eigenvector=x, branch_eigenvalue=complex(ev[k]), branch_eigenvector=v,
+        spectrum=layer_spectra(F_new[None])[0])
