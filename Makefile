@@ -24,13 +24,14 @@ setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
 test: $(VENV)/.test
-	$(PY) -m pytest -n $(JOBS) -q tests
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) -q tests
 
 reproduce: $(VENV)/.runtime
 	$(VENV)/bin/powerlens reproduce
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/simulate.py
+	$(PY) benchmarks/steering.py
 
 clean:
 	rm -rf $(VENV) results

@@ -148,12 +148,29 @@ def _reproduce(args):
     return cmd_reproduce(args)
 
 
+def _limit_blas_threads() -> None:
+    """One BLAS thread unless the user chose otherwise.
+
+    The dense eigen-decompositions run between XLA computations; OpenBLAS worker threads
+    that keep spinning after a call then compete with XLA's own threads for the cores
+    (measured here: 8x slower spectra on a busy 2-core machine).
+    """
+    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+        return
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=1, user_api="blas")
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "x64", False):
         import jax
         jax.config.update("jax_enable_x64", True)
+    _limit_blas_threads()
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:

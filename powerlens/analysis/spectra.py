@@ -8,8 +8,9 @@ Two orderings of the eigenvalues lambda of F:
 The *principal group* of an ordering is every eigenvalue whose key is within
 ``group_rtol`` (relative) of the largest key: a complex pair, a repeated or a
 near-repeated top eigenvalue is always a group, never one arbitrary eigenvector.
-Its invariant subspace is read off an ordered real Schur form, so it is an
-orthonormal real basis even for a defective eigenvalue; for a complex pair the
+Its invariant subspace is the real span of the group's eigenvectors (one ``eig``
+per layer serves both orderings), or, when those are numerically dependent (a
+defective eigenvalue), an ordered real Schur form: always an orthonormal real basis; for a complex pair the
 basis (e1, e2) is oriented so that I + F rotates coordinates counter-clockwise, by
 arg(1 + lambda1) with Im lambda1 > 0.
 
@@ -100,28 +101,44 @@ class LayerSpectrum:
         }
 
 
-def _ordered(F: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
-    w = np.linalg.eigvals(F)
-    if not np.all(np.isfinite(w)):
-        raise ValueError("F has non-finite eigenvalues (non-finite weights?)")
-    key = order_key(w, order)
-    idx = np.argsort(-key, kind="stable")
-    w, key = w[idx], key[idx]
-    mu1 = float(key[0])
-    in_group = key >= mu1 * (1.0 - group_rtol) - 1e-12
-    dim = int(in_group.sum())
-    mu2 = float(key[dim]) if dim < len(key) else 0.0
-    # canonical order inside the group: Im >= 0 first
-    top = w[0] if w[0].imag >= 0 else np.conj(w[0])
-    threshold = 0.5 * (float(key[dim - 1]) + mu2) if dim < len(key) else -1.0
+def _real_span(cols: np.ndarray, tol: float = 1e-7):
+    """Orthonormal basis of span(Re c, Im c for c in cols) and its numerical rank."""
+    M = np.concatenate([cols.real, cols.imag], axis=1)
+    if M.shape[1] == 0:
+        return M, 0
+    U, sv, _ = np.linalg.svd(M, full_matrices=False)
+    rank = int(np.sum(sv > tol * max(sv[0], 1e-300)))
+    return U[:, :rank], rank
+
+
+def _schur_basis(F: np.ndarray, order: str, threshold: float):
+    """Fallback for defective groups: the ordered real Schur vectors above ``threshold``."""
     if order == "shifted":
         select = lambda re, im: np.hypot(1.0 + re, im) > threshold
     else:
         select = lambda re, im: np.hypot(re, im) > threshold
     _, Z, sdim = scipy.linalg.schur(F, output="real", sort=select)
-    if sdim != dim:  # Schur's own eigenvalues fell on the other side: trust Schur
-        dim = int(sdim)
-    basis = np.array(Z[:, :dim], dtype=F.dtype)
+    return np.array(Z[:, :sdim]), int(sdim)
+
+
+def _ordered(F: np.ndarray, w: np.ndarray, V: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
+    """One ordering of a layer's eigen-decomposition (w, V from a single ``eig``).
+
+    The principal basis is the real span of the group's eigenvectors; when they are
+    (numerically) dependent -- a defective eigenvalue -- it falls back to an ordered
+    real Schur form, which always gives the invariant subspace.
+    """
+    key = order_key(w, order)
+    idx = np.argsort(-key, kind="stable")
+    w, key, V = w[idx], key[idx], V[:, idx]
+    mu1 = float(key[0])
+    dim = int(np.sum(key >= mu1 * (1.0 - group_rtol) - 1e-12))
+    mu2 = float(key[dim]) if dim < len(key) else 0.0
+    top = w[0] if w[0].imag >= 0 else np.conj(w[0])      # canonical: Im >= 0
+    basis, rank = _real_span(V[:, :dim])
+    if rank != dim:
+        threshold = 0.5 * (float(key[dim - 1]) + mu2) if dim < len(key) else -1.0
+        basis, dim = _schur_basis(F, order, threshold)
     is_complex = bool(abs(top.imag) > 1e-9 * (1 + abs(top)))
     if dim == 2 and is_complex:
         T2 = basis.T @ F @ basis
@@ -129,21 +146,24 @@ def _ordered(F: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
             basis[:, 1] *= -1
     if dim >= 2 or len(key) < 2:
         plane = basis[:, :2] if dim >= 2 else np.eye(len(key), 2)
-    else:  # principal direction plus the leading direction of the next invariant subspace
-        nxt = key[1]
-        j = 2
-        while j < len(key) and key[j] >= nxt * (1.0 - group_rtol):
+    else:  # principal direction plus the leading direction of the next eigen-group
+        j = dim + 1
+        while j < len(key) and key[j] >= key[dim] * (1.0 - group_rtol):
             j += 1
-        thr2 = 0.5 * (float(key[j - 1]) + float(key[j])) if j < len(key) else -1.0
-        sel2 = (lambda re, im: np.hypot(1.0 + re, im) > thr2) if order == "shifted" else \
-            (lambda re, im: np.hypot(re, im) > thr2)
-        Z2 = scipy.linalg.schur(F, output="real", sort=sel2)[1]
-        cand = Z2[:, : max(j, 2)]
+        cand, _ = _real_span(V[:, dim:j])
         cand = cand - basis @ (basis.T @ cand)
         k = int(np.argmax(np.linalg.norm(cand, axis=0)))
         plane = np.concatenate([basis, cand[:, k:k + 1] / np.linalg.norm(cand[:, k])], axis=1)
     return OrderedSpectrum(eigenvalues=w, top=complex(top), dim=dim, basis=basis,
                            mu1=mu1, mu2=mu2, is_complex=is_complex, plane=plane)
+
+
+def _layer(i: int, f: np.ndarray, group_rtol: float) -> LayerSpectrum:
+    w, V = np.linalg.eig(f)
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"F of layer {i} has non-finite eigenvalues (non-finite weights?)")
+    return LayerSpectrum(layer=i, shifted=_ordered(f, w, V, "shifted", group_rtol),
+                         plain=_ordered(f, w, V, "plain", group_rtol))
 
 
 def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
@@ -155,8 +175,7 @@ def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
         raise ValueError(f"F must have shape (L, d, d), got {F.shape}")
     if not np.all(np.isfinite(F)):
         raise ValueError("F contains non-finite values")
-    return [LayerSpectrum(layer=i, shifted=_ordered(f, "shifted", group_rtol), plain=_ordered(f, "plain", group_rtol))
-            for i, f in enumerate(F)]
+    return [_layer(i, f, group_rtol) for i, f in enumerate(F)]
 
 
 def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:

@@ -1,1 +1,119 @@
-"""albert converter (to be written)."""
+"""ALBERT checkpoints -> :class:`~powerlens.models.base.Model`, weights shared, never tiled.
+
+ALBERT has G = ``num_hidden_groups`` layer groups of I = ``inner_group_num`` post-LN
+layers each, so U = G*I unique layers: group g, inner layer j is unique index g*I + j.
+The L = ``num_hidden_layers`` outer layers apply group ``g(i) = int(i / (L / G))``
+(Hugging Face's formula), each running its I inner layers in order, so the static
+schedule is::
+
+    schedule = concat_{i < L} (g(i)*I + 0, ..., g(i)*I + I - 1)        (L*I steps)
+
+Embeddings live in a smaller width E (``embedding_size``) and are mapped to d by
+``encoder.embedding_hidden_mapping_in``: ``x0 = W_p LN_emb(word + position + type0) + b_p``
+(stored as ``project_W`` (d, E), ``project_b`` (d,)).
+
+Hidden states: transformers < 5 records one state per outer layer (after steps
+I, 2I, ..., L*I); transformers >= 5 records one after every inner layer (every step).
+``info.hidden_state_steps`` follows the installed transformers so that
+:func:`powerlens.models.forward.hidden_states` equals its ``hidden_states``; with
+I = 1 both conventions agree.
+
+Tensor names (``albert.`` stripped)::
+
+    encoder.albert_layer_groups.{g}.albert_layers.{j}.attention.{query,key,value,dense,LayerNorm}
+    encoder.albert_layer_groups.{g}.albert_layers.{j}.{ffn,ffn_output,full_layer_layer_norm}
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from ..dynamics.params import LayerConfig
+from .base import Model, ModelInfo, register
+from .bert import (EMBEDDING_NAMES, ffn_activation, head_sizes, read_embeddings, read_layers,
+                   reject_unhandled, require, tokenizer_folder, where)
+from .reader import CheckpointError, TensorReader
+
+_P = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
+ALBERT_NAMES = {
+    "W_q": _P + "attention.query.weight",
+    "b_q": _P + "attention.query.bias",
+    "W_k": _P + "attention.key.weight",
+    "b_k": _P + "attention.key.bias",
+    "W_v": _P + "attention.value.weight",
+    "b_v": _P + "attention.value.bias",
+    "W_o": _P + "attention.dense.weight",
+    "b_o": _P + "attention.dense.bias",
+    "norm_scale": _P + "attention.LayerNorm.weight",
+    "norm_bias": _P + "attention.LayerNorm.bias",
+    "W_in": _P + "ffn.weight",
+    "b_in": _P + "ffn.bias",
+    "W_out": _P + "ffn_output.weight",
+    "b_out": _P + "ffn_output.bias",
+    "ffn_norm_scale": _P + "full_layer_layer_norm.weight",
+    "ffn_norm_bias": _P + "full_layer_layer_norm.bias",
+}
+
+
+def albert_schedule(n_layers: int, n_groups: int, inner: int) -> Tuple[int, ...]:
+    """Unique-layer index of every step: outer layer i runs group int(i / (L / G))."""
+    sched = []
+    for i in range(n_layers):
+        g = int(i / (n_layers / n_groups))
+        sched.extend(g * inner + j for j in range(inner))
+    return tuple(sched)
+
+
+def records_every_inner_layer() -> bool:
+    """True when the installed transformers records ALBERT hidden states per inner layer (>= 5)."""
+    try:
+        import transformers
+        return int(transformers.__version__.split(".")[0]) >= 5
+    except Exception:  # pragma: no cover - transformers is a dependency
+        return True
+
+
+def hidden_state_steps(n_layers: int, inner: int, every_inner: Optional[bool] = None) -> Tuple[int, ...]:
+    """1-based step counts after which Hugging Face records ``hidden_states[1:]``."""
+    if every_inner is None:
+        every_inner = records_every_inner_layer()
+    if every_inner:
+        return tuple(range(1, n_layers * inner + 1))
+    return tuple(inner * (i + 1) for i in range(n_layers))
+
+
+@register("albert")
+def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") -> Model:
+    """ALBERT -> Model with U = G*I unique layers and the outer-layer schedule."""
+    reject_unhandled(config, reader)
+    d = require(config, "hidden_size", reader)
+    E = require(config, "embedding_size", reader)
+    H = require(config, "num_attention_heads", reader)
+    L = require(config, "num_hidden_layers", reader)
+    G = require(config, "num_hidden_groups", reader) if "num_hidden_groups" in config else 1
+    I = require(config, "inner_group_num", reader) if "inner_group_num" in config else 1
+    f = require(config, "intermediate_size", reader)
+    V = require(config, "vocab_size", reader)
+    P = require(config, "max_position_embeddings", reader)
+    T = require(config, "type_vocab_size", reader) if "type_vocab_size" in config else 2
+    if G > L:
+        raise CheckpointError(f"{where(reader)}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
+    eps = float(require(config, "layer_norm_eps", reader, kind=float)) if "layer_norm_eps" in config else 1e-12
+    e = head_sizes(d, H, reader)
+    act = ffn_activation(config, reader, key="hidden_act") if "hidden_act" in config else "gelu_new"
+    emb = read_embeddings(reader, EMBEDDING_NAMES,
+                          {"word": (V, E), "position": (P, E), "token_type": (T, E),
+                           "norm_scale": (E,), "norm_bias": (E,)})
+    emb.update(read_embeddings(
+        reader, {"project_W": "encoder.embedding_hidden_mapping_in.weight",
+                 "project_b": "encoder.embedding_hidden_mapping_in.bias"},
+        {"project_W": (d, E), "project_b": (d,)}))
+    schedule = albert_schedule(L, G, I)
+    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
+                      norm_placement="post", ffn_activation=act, schedule=schedule, family="albert")
+    indices = [dict(g=g, j=j) for g in range(G) for j in range(I)]
+    layers = read_layers(reader, ALBERT_NAMES, indices, cfg, f)
+    info = ModelInfo(family="albert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
+                     max_positions=P, pad_token_id=config.get("pad_token_id", 0),
+                     bos_token_id=config.get("bos_token_id"), hidden_state_steps=hidden_state_steps(L, I),
+                     name=name)
+    return Model(layers=layers, embeddings=emb, info=info)

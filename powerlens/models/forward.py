@@ -8,12 +8,17 @@
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..analysis.spectra import Subspaces
+from ..dynamics.attention import check_attention
+from ..dynamics.layer import check_rule, layer_step
 from ..dynamics.norms import apply_norm
-from ..dynamics.simulate import simulate_batch
+from ..dynamics.simulate import check_tokens
 from .base import Model
 
 
@@ -31,11 +36,44 @@ def final_norm(model: Model, h):
     return apply_norm(cfg.norm, h, model.final_norm_scale, model.final_norm_bias, cfg.norm_eps)
 
 
+@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias"))
+def _states(layers, X0, valid, *, rule, attention, keep_bias):
+    """(T+1, B, n, d): ``lax.scan`` over the schedule, the batch as a leading axis (vmap)."""
+    sched = jnp.asarray(layers.schedule, jnp.int32)
+    step_one = jax.vmap(lambda lp, X, v: layer_step(lp, X, v, rule=rule, attention=attention,
+                                                    keep_bias=keep_bias), (None, 0, 0))
+
+    def step(X, u):
+        Y = step_one(layers.layer(u), X, valid)
+        return Y, Y
+
+    _, ys = jax.lax.scan(step, X0, sched)
+    return jnp.concatenate([X0[None], ys])
+
+
 def run_states(model: Model, x0, valid, *, rule: str = "full", attention: str = "softmax", keep_bias=None):
-    """All states (T+1, B, n, d) of the model's schedule under ``rule``."""
-    traj = simulate_batch(model.layers, x0, null_subspaces(model), valid=valid, rule=rule,
-                          attention=attention, keep_bias=keep_bias, save_states=True)
-    return jnp.swapaxes(traj.states, 0, 1)
+    """All states (T+1, B, n, d) of the model's schedule under ``rule``.
+
+    States only (no measures, unlike :func:`powerlens.dynamics.simulate.simulate_batch`),
+    so it compiles and runs fast; x0 (B, n, d) or (n, d), valid (B, n) or (n,).
+    """
+    check_rule(rule)
+    check_attention(attention)
+    layers = model.layers
+    X0 = check_tokens(x0, layers.config.d_model)
+    if X0.ndim == 2:
+        X0 = X0[None]
+    if valid is None:
+        valid = np.ones(X0.shape[:2], bool)
+    valid = np.asarray(valid, bool)
+    if valid.ndim == 1:
+        valid = valid[None]
+    if valid.shape != X0.shape[:2]:
+        raise ValueError(f"valid mask has shape {valid.shape}, expected {X0.shape[:2]}")
+    if not valid.any(axis=1).all():
+        raise ValueError("a prompt has no valid token (empty prompt)")
+    return _states(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid),
+                   rule=rule, attention=attention, keep_bias=keep_bias)
 
 
 def hidden_states(model: Model, x0, valid):

@@ -52,19 +52,37 @@ def resolve(source: str, *, allow_download: bool = False) -> str:
         f"and not in the local Hugging Face cache (pass allow_download=True to fetch it when online)")
 
 
-def hub_cache_path(repo_id: str) -> Optional[str]:
-    """The snapshot folder of ``repo_id`` in the local HF cache, or None (never downloads)."""
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-    except ImportError:  # pragma: no cover
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache folder (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_cache_path(repo_id: str, revision: str = "main") -> Optional[str]:
+    """The snapshot folder of ``repo_id`` in the local HF cache, or None.
+
+    Reads the cache layout directly (``models--org--name/refs/<revision>`` ->
+    ``snapshots/<hash>``): no network, no hub client start-up.
+    """
+    if not repo_id or repo_id.startswith(("/", ".")) or repo_id.count("/") > 1:
         return None
-    try:
-        return snapshot_download(repo_id, local_files_only=True)
-    except (LocalEntryNotFoundError, OSError, ValueError):
+    root = os.path.join(hf_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(root, "snapshots")
+    if not os.path.isdir(snapshots):
         return None
-    except Exception:  # invalid repo id format and the like
-        return None
+    ref = os.path.join(root, "refs", revision)
+    if os.path.isfile(ref):
+        with open(ref) as fh:
+            path = os.path.join(snapshots, fh.read().strip())
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    for name in sorted(os.listdir(snapshots)):   # no ref: any snapshot with a config
+        path = os.path.join(snapshots, name)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    return None
 
 
 def download(repo_id: str) -> str:  # pragma: no cover - needs the network

@@ -1,0 +1,260 @@
+"""Llama-architecture GGUF files (llama.cpp format), read with the ``gguf`` package.
+
+    model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = gguf_tokenizer(path); tok("text")["input_ids"]; tok.decode(ids)
+
+Layout. GGUF lists dimensions innermost first, so a tensor with GGUF shape ``[d_in, d_out]``
+is the NumPy array (d_out, d_in) — the ``nn.Linear`` (out, in) layout — after
+``gguf.quants.dequantize``. Tensor names::
+
+    token_embd (V, d)            blk.N.attn_norm (d,)     blk.N.ffn_norm (d,)
+    blk.N.attn_q (H*e, d)        blk.N.attn_k (G*e, d)    blk.N.attn_v (G*e, d)
+    blk.N.attn_output (d, H*e)   blk.N.ffn_gate, ffn_up (f, d)   blk.N.ffn_down (d, f)
+    output_norm (d,)             output (V, d)  (absent when tied to token_embd)
+
+RoPE permutation. llama.cpp's converter rewrites the rows of W_q and W_k so that its
+interleaved RoPE (pairs (2i, 2i+1)) equals Hugging Face's ``rotate_half`` RoPE (pairs
+(i, i + e/2))::
+
+    permute(w)   = w.reshape(n, 2, e/2, d_in).swapaxes(1, 2).reshape(n*e, d_in)
+    unpermute(w) = w.reshape(n, e/2, 2, d_in).swapaxes(1, 2).reshape(n*e, d_in)
+
+with n = H for W_q and n = G for W_k. ``load_gguf`` un-permutes, so the layers use the HF
+convention of :mod:`powerlens.dynamics.attention`.
+
+Memory. Every tensor is dequantised alone and copied into a preallocated stacked array
+(L, ...); each stacked array is handed to JAX and its NumPy copy dropped before the next.
+Peak memory is therefore about the float32 model plus one stacked array plus the mapped
+file — far above the file size for a 4-bit file (see :func:`load_gguf`).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .base import Model
+from .gpt2 import Stack, to_device
+from .llama import llama_info, llama_model, llama_shapes
+from .reader import CheckpointError
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's RoPE row permutation of W_q / W_k: (n*e, d_in) -> (n*e, d_in)."""
+    rows, d_in = w.shape
+    e = rows // n_heads
+    return w.reshape(n_heads, e // 2, 2, d_in).swapaxes(1, 2).reshape(rows, d_in)
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` parsing through a plain ndarray view of its memory map.
+
+    The stock reader slices an ``np.memmap`` once per metadata item, and the memmap
+    subclass hooks make parsing a 50k-entry vocabulary take seconds; slicing a plain
+    view of the same mapping gives the same arrays several times faster. Falls back to
+    the stock reader if the private ``_get`` hook ever changes.
+    """
+    import gguf
+    import inspect
+    base = gguf.GGUFReader
+    try:
+        params = list(inspect.signature(base._get).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return base
+    if params[:5] != ["self", "offset", "dtype", "count", "override_order"]:
+        return base
+
+    class _PlainViewReader(base):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None or plain.base is not self.data:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            itemsize = int(np.dtype(dtype).itemsize)
+            arr = plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return _PlainViewReader
+
+
+class GGUFFile:
+    """Metadata and dequantised tensors of one GGUF file, with errors naming the file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: GGUF file not found")
+        try:
+            self.reader = _reader_class()(path)
+        except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on bad bytes
+            raise CheckpointError(
+                f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                f"the file may be truncated or corrupt") from exc
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def meta(self, key: str, default=None, *, required: bool = False):
+        field = self.reader.get_field(key)
+        if field is None:
+            if required:
+                raise CheckpointError(f"{self.path}: GGUF metadata key {key!r} is missing")
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot read GGUF metadata key {key!r} ({exc})") from exc
+
+    def release_pages(self) -> None:
+        """Drop the already-read pages of the memory-mapped file from this process's
+        resident memory (they stay in the OS page cache; reading again faults them back)."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except OSError:  # pragma: no cover - advisory only
+                pass
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape, out: Optional[np.ndarray] = None, *, chunk_rows: int = 4096) -> np.ndarray:
+        """Tensor ``name`` dequantised (float32 math), checked for shape and finiteness.
+
+        With ``out`` (an array of ``shape``, e.g. one slot of a stacked array) the rows are
+        dequantised ``chunk_rows`` at a time straight into it, so no full-size temporary
+        is made; otherwise a new float32 array is returned.
+        """
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
+        shape = tuple(int(s) for s in shape)
+        gshape = tuple(int(s) for s in reversed(list(t.shape)))   # GGUF lists dims innermost first
+        if gshape != shape:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {gshape} "
+                                  f"(GGUF dims {list(map(int, t.shape))}), expected {shape}")
+        if out is None:
+            out = np.empty(shape, np.float32)
+        data = t.data
+        rows = data.shape[0] if data.ndim > 1 else 1
+        for r0 in range(0, rows, chunk_rows):
+            block = data[r0:r0 + chunk_rows] if data.ndim > 1 else data
+            deq = self._dequantize(name, t, block)
+            if not np.all(np.isfinite(deq)):
+                raise CheckpointError(f"{self.path}: tensor {name!r} contains non-finite values (NaN or inf)")
+            try:
+                if data.ndim > 1:
+                    out[r0:r0 + chunk_rows] = deq.reshape((-1,) + shape[1:])
+                else:
+                    out[...] = deq.reshape(shape)
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path}: tensor {name!r} does not dequantise to shape {shape} "
+                                      f"({exc}); the file may be corrupt") from exc
+        return out
+
+    def _dequantize(self, name, t, block):
+        import gguf
+        try:
+            return gguf.quants.dequantize(block, t.tensor_type)
+        except NotImplementedError as exc:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has quantisation type {t.tensor_type.name}, which the gguf "
+                f"package cannot dequantise ({exc})") from exc
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: cannot dequantise tensor {name!r} ({exc}); "
+                                  f"the file may be corrupt") from exc
+
+
+def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Model:
+    """Load a llama-architecture GGUF file as a :class:`~powerlens.models.base.Model`.
+
+    Quantised weights (Q4_0/Q4_1/Q8_0/K-quants, F16, F32) are dequantised by the
+    ``gguf`` package. Rejected with a CheckpointError naming the file: another
+    ``general.architecture``, mixture-of-experts, scaled RoPE, partial RoPE; a truncated
+    or corrupt file, a missing tensor, a wrong shape or a NaN name the file and tensor.
+
+    Memory (SmolLM2-135M Q4_1, 98 MB file, 538 MB of float32 parameters): peak RSS
+    growth while loading ~750 MB = 1.4x the float32 parameters = 7.6x the file. A 4-bit
+    file expands ~5x when dequantised, so "1.5x the file" is not reachable for it;
+    the overhead above the float32 model is one stacked array plus the mapped pages.
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise CheckpointError(f"{path}: unsupported dtype {dtype} (float32 or float64)")
+    f = GGUFFile(path)
+    arch = f.meta("general.architecture", required=True)
+    if arch != "llama":
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
+    k = lambda s: f"llama.{s}"
+    d = int(f.meta(k("embedding_length"), required=True))
+    L = int(f.meta(k("block_count"), required=True))
+    H = int(f.meta(k("attention.head_count"), required=True))
+    G = int(f.meta(k("attention.head_count_kv"), H))
+    ff = int(f.meta(k("feed_forward_length"), required=True))
+    eps = float(f.meta(k("attention.layer_norm_rms_epsilon"), required=True))
+    theta = float(f.meta(k("rope.freq_base"), 10000.0))
+    ctx = f.meta(k("context_length"))
+    e = int(f.meta(k("attention.key_length"), d // H))
+    if H % G:
+        raise CheckpointError(f"{path}: head_count={H} is not a multiple of head_count_kv={G}")
+    if int(f.meta(k("attention.value_length"), e)) != e:
+        raise CheckpointError(f"{path}: attention.value_length differs from key_length (not supported)")
+    rope_dim = int(f.meta(k("rope.dimension_count"), e))
+    if rope_dim != e:
+        raise CheckpointError(f"{path}: rope.dimension_count={rope_dim} differs from the head size {e} "
+                              f"(partial RoPE is not supported)")
+    scaling = f.meta(k("rope.scaling.type"))
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: rope.scaling.type={scaling!r} is not supported (plain RoPE only)")
+    if int(f.meta(k("expert_count"), 0) or 0) > 0:
+        raise CheckpointError(f"{path}: mixture-of-experts GGUF files (llama.expert_count > 0) are not supported")
+    tok_embd = f.tensors.get("token_embd.weight")
+    if tok_embd is None:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing from the GGUF file")
+    V = int(tok_embd.shape[-1])  # GGUF dims [d, V]
+
+    # the embedding first: its two transient copies (NumPy + JAX) then coexist with nothing else
+    word = to_device(f.get("token_embd.weight", (V, d), np.empty((V, d), dtype)))
+    head = to_device(f.get("output.weight", (V, d), np.empty((V, d), dtype))) if f.has("output.weight") else None
+    f.release_pages()
+    # one stacked array at a time, so at most one NumPy stack is alive (see Stack.done)
+    st = Stack(L, dtype, llama_shapes(d, H, G, e, ff))
+    plan = {  # stacked key: (GGUF tensor suffix, numpy shape, heads to un-permute or 0)
+        "W_q": ("attn_q.weight", (H * e, d), H), "W_k": ("attn_k.weight", (G * e, d), G),
+        "W_v": ("attn_v.weight", (G * e, d), 0), "W_o": ("attn_output.weight", (d, H * e), 0),
+        "norm_scale": ("attn_norm.weight", (d,), 0), "ffn_norm_scale": ("ffn_norm.weight", (d,), 0),
+        "W_gate": ("ffn_gate.weight", (ff, d), 0), "W_in": ("ffn_up.weight", (ff, d), 0),
+        "W_out": ("ffn_down.weight", (d, ff), 0),
+    }
+    for key, (suffix, shape, heads) in plan.items():
+        arr = st[key]
+        for i in range(L):
+            slot = arr[i].reshape(shape)             # a view of layer i's slot
+            if heads:                                # small (q/k): dequantise, then un-permute rows
+                slot[...] = unpermute(f.get(f"blk.{i}.{suffix}", shape), heads)
+            else:                                    # straight into the slot, in row chunks
+                f.get(f"blk.{i}.{suffix}", shape, slot)
+        st.done(key)
+        f.release_pages()
+    info = llama_info(source=path, tokenizer=path, max_positions=int(ctx) if ctx else None,
+                      pad=f.meta("tokenizer.ggml.padding_token_id"), bos=f.meta("tokenizer.ggml.bos_token_id"),
+                      name=name or os.path.basename(path))
+    return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act="silu_glu", embeddings={"word": word},
+                       final_norm=jnp.asarray(f.get("output_norm.weight", (d,)).astype(dtype)), head=head,
+                       info=info)
+
+
+def gguf_tokenizer(path: str):
+    """The tokenizer stored in a GGUF file, as a Hugging Face tokenizer (offline).
+
+    Built by ``transformers`` from the GGUF vocabulary and merges
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``): ``tok(text)["input_ids"]``,
+    ``tok.decode(ids)``.
+    """
+    from transformers import AutoTokenizer
+    folder, fname = os.path.split(os.path.abspath(path))
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot build the tokenizer from the GGUF file ({exc})") from exc
