@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
     p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
     p.add_argument("--direction", required=True, help="token:WORD, a .npy vector, or random")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--alpha", type=float, help="the perturbation size alpha")
-    g.add_argument("--target-alignment", type=float, help="smallest alpha reaching this alignment for every token")
-    g.add_argument("--optimize", action="store_true", help="gradient-based steering (optax)")
+    p.add_argument("--alpha", type=float, help="the perturbation size alpha (closed form)")
+    p.add_argument("--target-alignment", type=float,
+                   help="alignment |cos(x, u)| every final token must reach (default 0.99): the closed form takes "
+                        "the smallest such alpha; --optimize uses it as its constraint")
+    p.add_argument("--optimize", action="store_true",
+                   help="gradient-based steering (optax): min ||dO||_F subject to the target alignment")
     p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
     p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
     p.add_argument("--text", action="append", help="a prompt (repeat for several)")
@@ -139,6 +141,8 @@ def _align(args):
 
 
 def _steer(args):
+    if args.alpha is not None and (args.target_alignment is not None or args.optimize):
+        raise ValueError("--alpha fixes the change; it cannot be combined with --target-alignment or --optimize")
     from .commands.steer import cmd_steer
     return cmd_steer(args)
 

@@ -42,14 +42,10 @@ class Context:
 
 
 def all_sections() -> List[Callable]:
-    from . import synthetic
-    sections = list(synthetic.SECTIONS)
-    try:
-        from . import real_models
-        sections += real_models.SECTIONS
-    except ImportError:
-        pass
-    return sections
+    """Sections 1-8 in the order of the report."""
+    from . import real_models, steering_section, synthetic
+    layer_varying, shared_real, ffn = real_models.SECTIONS
+    return list(synthetic.SECTIONS) + [layer_varying, shared_real] + steering_section.SECTIONS + [ffn]
 
 
 def run_sections(ctx: Context, sections) -> List[SectionResult]:

@@ -61,29 +61,48 @@ h1{border-bottom:2px solid #d0d7de;padding-bottom:.3em}
 h2{margin-top:2.2em;border-bottom:1px solid #d0d7de;padding-bottom:.2em}
 .badge{display:inline-block;color:#fff;border-radius:1em;padding:.1em .8em;font-size:.85em;font-weight:600;
 vertical-align:middle;margin-left:.6em}
-nav ol{columns:2}
+nav ol{columns:2;list-style:none;padding-left:0}
+nav li{margin:.25em 0;break-inside:avoid}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}
+caption{text-align:left;font-weight:600;padding:.2em 0}
 th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right}
 th{background:#f6f8fa}
 td:first-child,th:first-child{text-align:left}
-figure{display:inline-block;margin:.5em;max-width:48%}
-figure img{max-width:100%;border:1px solid #d0d7de}
+figure{display:inline-block;vertical-align:top;margin:.5em;max-width:48%}
+figure.wide{display:block;max-width:100%}
+figure img{max-width:100%;height:auto;border:1px solid #d0d7de}
+.missing{display:inline-block;color:#cf222e;border:1px dashed #cf222e;padding:.5em 1em;margin:.5em}
 figcaption{font-size:.8em;color:#57606a;text-align:center}
 .claim{background:#f6f8fa;border-left:4px solid #0969da;padding:.5em 1em}
 .checks li.ok::marker{content:"✔ ";color:#1a7f37}
 .checks li.no::marker{content:"✘ ";color:#cf222e}
 pre{background:#f6f8fa;padding:1em;overflow:auto;font-size:.8em}
+pre.error{white-space:pre-wrap;overflow-wrap:anywhere;border-left:4px solid #cf222e}
 """
 
 
+def _png_size(raw: bytes):
+    """(width, height) in pixels from a PNG's IHDR chunk, or None if ``raw`` is not a PNG."""
+    if len(raw) >= 24 and raw[:8] == b"\x89PNG\r\n\x1a\n" and raw[12:16] == b"IHDR":
+        return int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    return None
+
+
 def _img(out_dir: str, rel: str) -> str:
+    """A <figure> with the PNG embedded as a data URI; landscape figures (w/h >= 1.2, wider than
+    700 px) get class ``wide`` and a full row, so their text is not shrunk to half width."""
     path = os.path.join(out_dir, rel)
     if not os.path.isfile(path):
         return f'<p class="missing">missing figure {html.escape(rel)}</p>'
     with open(path, "rb") as fh:
-        data = base64.b64encode(fh.read()).decode()
+        raw = fh.read()
+    data = base64.b64encode(raw).decode()
+    size = _png_size(raw)
+    wide = size is not None and size[0] > 700 and size[0] >= 1.2 * size[1]
     name = html.escape(os.path.basename(rel))
-    return f'<figure><img alt="{name}" src="data:image/png;base64,{data}"><figcaption>{name}</figcaption></figure>'
+    cls = ' class="wide"' if wide else ""
+    return (f'<figure{cls}><img alt="{name}" src="data:image/png;base64,{data}">'
+            f'<figcaption>{name}</figcaption></figure>')
 
 
 def render_html(sections: List[SectionResult], settings: dict, out_dir: str) -> str:
@@ -104,7 +123,7 @@ def render_html(sections: List[SectionResult], settings: dict, out_dir: str) -> 
                      f"style='background:{BADGE.get(s.verdict, '#57606a')}'>{e(s.verdict)}</span></h2>")
         parts.append(f"<p class='claim'><b>Claim.</b> {e(s.claim)}</p><p>{e(s.summary)}</p>")
         if s.error:
-            parts.append(f"<pre>{e(s.error)}</pre>")
+            parts.append(f"<pre class='error'>{e(s.error)}</pre>")
         checks = s.numbers.get("checks") if isinstance(s.numbers, dict) else None
         if checks:
             parts.append("<ul class='checks'>" + "".join(

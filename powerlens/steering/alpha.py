@@ -225,10 +225,14 @@ class AlignmentAlpha:
 
 def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
                     w: Union[str, np.ndarray] = "inverse", layer: int = -1, keep_bias: bool = False,
-                    attention: str = "softmax", positions=None) -> AlignmentAlpha:
+                    attention: str = "softmax", positions=None, signed: bool = True) -> AlignmentAlpha:
     """(b) for the ``paper`` rule: exact alpha from the one-step relation (module docstring).
 
     X: tokens *entering* the steered layer, (n, d) or (B, n, d) (see :func:`entering_states`).
+    ``signed=False`` asks for the sign-free alignment |cos(y_i, u)| >= c (the gamma of
+    design.md §3; a power step sends a token to +u or -u by the sign of s_i). Then
+    token i is aligned for every alpha >= (K_i - sgn(s_i) b_i) / |s_i| with
+    K_i = c p_perp_i / sqrt(1 - c^2), and alpha* is the largest of these (or 0).
     """
     c = check_target(target)
     l = layer_index(layers, layer)
@@ -245,6 +249,20 @@ def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
     b = p @ u
     p_perp = np.sqrt(np.maximum(np.sum(p * p, -1) - b * b, 0.0))
     beta = c * p_perp / np.sqrt(1.0 - c * c) - b
+    if not signed:
+        K = c * p_perp / np.sqrt(1.0 - c * c)
+        zero_bad = vb & (s == 0) & (np.abs(b) < K)
+        if zero_bad.any():
+            i = tuple(int(k) for k in np.argwhere(zero_bad)[0])
+            raise ValueError(f"token {i} (prompt, position) has s = w.m = 0: the rank-1 term does not reach it, "
+                             f"so no alpha aligns it to {c}; use another w")
+        each = np.where(vb & (s != 0), (K - np.sign(s) * b) / np.where(s != 0, np.abs(s), 1.0), -np.inf)
+        alpha = max(0.0, float(each.max()))
+        worst = tuple(int(k) for k in np.unravel_index(np.argmax(each), each.shape))
+        beta_abs = np.sign(s) * K - b
+        return AlignmentAlpha(alpha=alpha, target=c, worst=worst, upper=float("inf"),
+                              beta_star=np.where(vb, beta_abs, np.nan), s=np.where(vb, s, np.nan),
+                              b=np.where(vb, b, np.nan), p_perp=np.where(vb, p_perp, np.nan), valid=vb, w=wv)
     pos = vb & (s > 0)
     lower = np.where(pos, beta / np.where(pos, s, 1.0), -np.inf)
     neg = vb & (s < 0)
@@ -261,7 +279,8 @@ def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
         raise ValueError(
             f"no alpha > 0 gives every token alignment {c}: token {i} (prompt, position) has s = w.m = "
             f"{s[i]:.3g} < 0, so increasing alpha turns it away from u (it needs alpha <= {upper:.3g} but "
-            f"another token needs alpha >= {alpha:.3g}); use w='value' or a learned w")
+            f"another token needs alpha >= {alpha:.3g}); use signed=False (sign-free alignment, the paper's "
+            f"gamma), w='value' or a learned w")
     worst = tuple(int(k) for k in np.unravel_index(np.argmax(lower), lower.shape))
     return AlignmentAlpha(alpha=alpha, target=c, worst=worst, upper=upper, beta_star=np.where(vb, beta, np.nan),
                           s=np.where(vb, s, np.nan), b=np.where(vb, b, np.nan),
@@ -280,7 +299,8 @@ class MinimalAlpha:
 
 def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.99,
                   w: Union[str, np.ndarray] = "inverse", layer: int = -1, cos_tol: float = 0.95,
-                  keep_bias: bool = False, attention: str = "softmax", positions=None) -> MinimalAlpha:
+                  keep_bias: bool = False, attention: str = "softmax", positions=None,
+                  signed: bool = True) -> MinimalAlpha:
     """Both minimal alphas: (a) spectral, (b) one-step alignment of every token (``paper`` rule).
 
     x0: initial tokens (n, d) or (B, n, d); the steps before the steered one are run
@@ -299,4 +319,4 @@ def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.9
                             keep_bias=keep_bias, positions=positions)
     return MinimalAlpha(principal, alignment_alpha(layers, X, u, target=target, valid=vb, w=w, layer=layer,
                                                    keep_bias=keep_bias, attention=attention,
-                                                   positions=positions))
+                                                   positions=positions, signed=signed))

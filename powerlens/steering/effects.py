@@ -69,7 +69,9 @@ def paper_alignment(layers, x0, valid, u) -> dict:
     Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
     v = np.asarray(valid, bool)
     cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
-    return {"mean": float(cos[v].mean()), "min": float(cos[v].min())}
+    a = np.abs(cos[v])
+    return {"mean": float(cos[v].mean()), "min": float(cos[v].min()), "abs_mean": float(a.mean()),
+            "abs_min": float(a.min())}
 
 
 def last_step(layers, layer: int) -> int:
@@ -101,7 +103,7 @@ def _cos_stats(h, valid, u):
     cos = (h @ u) / np.linalg.norm(h, axis=-1)
     pooled = (h * v[..., None]).sum(1) / v.sum(1, keepdims=True)
     pooled_cos = pooled @ u / np.linalg.norm(pooled, axis=-1)
-    return {"alignment": float(cos[v].mean()),
+    return {"alignment": float(cos[v].mean()), "abs_alignment": float(np.abs(cos[v]).mean()),
             "alignment_per_token": [c[m].tolist() for c, m in zip(cos, v)],
             "pooled_cos": pooled_cos.tolist(), "pooled_cos_mean": float(pooled_cos.mean())}
 

@@ -82,10 +82,12 @@ def reduce_alignment(cos, valid, reduce: str):
     return jnp.min(jnp.where(valid, cos, jnp.inf))
 
 
-def _alignment(layers, delta, X, valid, u, *, layer, tail, rule, attention, keep_bias, reduce, positions):
+def _alignment(layers, delta, X, valid, u, *, layer, tail, rule, attention, keep_bias, reduce, positions,
+               signed=True):
     steered = layers.replace(W_o=layers.W_o.at[layer].add(delta))
     Y = run_tail(steered, X, valid, tail, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions)
-    return reduce_alignment(token_cos(Y, u), valid, reduce)
+    cos = token_cos(Y, u)
+    return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
 
 
 def _delta(params, u, n0, param):
@@ -97,13 +99,14 @@ def _delta(params, u, n0, param):
 def solve_one(layers, X, valid, u, key, R, positions=None, *, layer: int, tail: Tuple[int, ...], rule: str, attention: str,
               keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
               mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
-              lr_floor: float = 0.05):
+              lr_floor: float = 0.05, signed: bool = True):
     """Optimise one direction u (d,) (unit). R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
 
     Returns a dict of arrays (see :class:`SteeringResult`)."""
     dtype = X.dtype
     align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
-                              attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions)
+                              attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
+                              signed=signed)
     # closed form at the target alignment: bisection on log alpha along alpha u w_cf^T
     w_cf = R @ u
     if w_kind == "value":
@@ -181,7 +184,7 @@ def solve_one(layers, X, valid, u, key, R, positions=None, *, layer: int, tail: 
 
 
 _STATIC = ("layer", "tail", "rule", "attention", "keep_bias", "target", "reduce", "param", "rank", "steps",
-           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters")
+           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters", "signed")
 solve_one_jit = jax.jit(solve_one, static_argnames=_STATIC)
 
 
@@ -254,7 +257,7 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
                       lr: float = 1e-2, mu: float = 100.0, dual_every: int = 10, tol: float = 1e-4,
                       w: str = "inverse", layer: int = -1, rule: str = "paper", attention: str = "softmax",
                       keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
-                      vectorize: bool = True) -> SteeringResult:
+                      vectorize: bool = True, signed: bool = True) -> SteeringResult:
     """Minimise ||delta_O||_F subject to the final-token alignment >= target, for K directions.
 
     Args:
@@ -266,6 +269,7 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
       w: closed-form initial w, ``inverse`` or ``value``.
       vectorize: one vmapped run over the K directions (default), or a Python loop over
         the same jitted single-direction function (for the benchmark).
+      signed: alignment is cos(y, u) (True) or the sign-free |cos(y, u)| (the paper's gamma).
     """
     target = check_target(target)
     if reduce not in REDUCTIONS:
@@ -297,7 +301,7 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
     keys = jax.random.split(jax.random.PRNGKey(seed), len(D))
     kw = dict(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target, reduce=reduce,
               param=param, rank=int(rank), steps=int(steps), lr=float(lr), mu=float(mu),
-              dual_every=int(dual_every), tol=float(tol), w_kind=w)
+              dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed))
     if vectorize:
         out = solve_many_jit(layers, X, vb, U, keys, R, positions, **kw)
     else:

@@ -1,0 +1,143 @@
+"""Section 7: steering the last layer toward a chosen direction u, on MiniLM and SmolLM2.
+
+For each model and its token direction u (the unembedding row of a word):
+  closed form   O' = O + alpha u w^T, w = V u/||V u||, alpha the smallest value that puts
+                every token at cos >= c after the last layer (exact one-step relation);
+  gradient      optax, min ||dO||_F (rank 1) subject to the same worst-token alignment;
+  activation    add beta u to the last layer's output, beta = the mean norm of the change
+  addition      the rank-1 edit makes there (equal change norm).
+The spectral claim is checked on F': the steered eigenvalue is principal (shifted
+ordering) and its eigenvector is close to u.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..analysis import plots
+from .real_models import DEFAULT_MODELS, _load, _prompts, available_models
+from .section import SectionResult, Table, verdict_from
+
+WORDS = {"minilm": "king", "smollm2": "Paris"}
+TARGET = 0.9
+NEUTRAL = ["The weather was mild and the streets were quiet.",
+           "He read the report twice before he signed it."]
+
+
+def _compute(name: str, ctx) -> dict:
+    from ..models import embed
+    from ..steering import minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
+    from ..steering.alpha import principal_alpha
+    model = _load(name)
+    texts = _prompts(ctx)
+    x0, valid = embed(model, texts)
+    x0, valid = np.asarray(x0), np.asarray(valid)
+    direction = parse_direction(f"token:{WORDS[name]}", model=model)
+    u = direction.vector
+    layers = model.layers
+    m = minimal_alpha(layers, u, x0, valid=valid, target=TARGET, w="value", signed=False)
+    alpha = m.alignment.alpha
+    r1 = rank1(layers, u, alpha=alpha, w="value")
+    spec = principal_alpha(layers, u, w="value", rtol=1e-4)
+    opt = optimize_steering(layers, x0, u, valid=valid, target=TARGET, reduce="min", param="lowrank", rank=1,
+                            w="value", steps=150 if ctx.quick else 300, seed=ctx.seed, signed=False)
+    neutral = NEUTRAL if model.info.decoder else None
+    eff_closed = output_effects(model, u, r1.delta_O, texts, target_id=direction.token_id, neutral=neutral)
+    eff_grad = output_effects(model, u, np.asarray(opt.delta_O[0]), texts, target_id=direction.token_id,
+                              neutral=neutral)
+    sweep = alpha * np.logspace(-2, 0.5, 8)
+    curve = []
+    for a in sweep:
+        eff = rank1(layers, u, alpha=float(a), w="value", spectrum=False)
+        from ..steering.effects import paper_alignment
+        curve.append(paper_alignment(eff.layers, x0, valid, u)["abs_min"])
+    strip = lambda e: {k: ({c: {kk: vv for kk, vv in v.items() if kk != "alignment_per_token"}
+                            for c, v in e["conditions"].items()} if k == "conditions" else v) for k, v in e.items()}
+    return {"model": name, "word": WORDS[name], "token": direction.token, "target": TARGET,
+            "closed": {"alpha": alpha, "norm": r1.delta_norm, "rank1": {k: v for k, v in r1.to_json().items()
+                                                                          if k != "spectrum"},
+                       "effects": strip(eff_closed)},
+            "principal_alpha": spec.to_json(),
+            "gradient": {**opt.to_json(0), "effects": strip(eff_grad)},
+            "alpha_curve": {"alpha": sweep.tolist(), "min_alignment": curve},
+            "per_token_before": eff_closed["conditions"]["before"]["alignment_per_token"],
+            "per_token_full_rank1": eff_closed["conditions"]["rank1"]["alignment_per_token"]}
+
+
+def section_steering(ctx) -> SectionResult:
+    found, _ = available_models(ctx)
+    names = [n for n in DEFAULT_MODELS if n in found]
+    rows = []
+    for name in ctx.progress(names, "7 steering"):
+        rows.append(ctx.store.cached(f"s7_{name}", lambda name=name: _compute(name, ctx)))
+    if not rows:
+        return SectionResult("steering", "7. Steering", "", "skipped", "MiniLM and SmolLM2 are not installed.")
+    figs, table = [], []
+    for r in rows:
+        figs.append(plots.plot_curve(np.array(r["alpha_curve"]["alpha"]),
+                                     {"worst token (paper rule)": np.array(r["alpha_curve"]["min_alignment"])},
+                                     ctx.fig(f"s7_{r['model']}_alpha.png"), xlabel="α",
+                                     ylabel="min |cos(x_final, u)|",
+                                     logx=True, hlines={f"target {TARGET}": TARGET},
+                                     title=f"{r['model']}: alignment with u = '{r['word']}' against α"))
+        c, g = r["closed"], r["gradient"]
+        ce, ge = c["effects"]["conditions"], g["effects"]["conditions"]
+        for label, eff, norm in (("closed form", ce, c["norm"]), ("gradient", ge, g["norm"])):
+            row = [r["model"], label, norm, eff["rank1"]["abs_alignment"],
+                   eff["activation_addition"]["abs_alignment"], eff["before"]["abs_alignment"]]
+            if "target_prob_mean" in eff["before"]:
+                row += [eff["before"]["target_prob_mean"], eff["rank1"]["target_prob_mean"],
+                        eff["activation_addition"]["target_prob_mean"],
+                        eff["before"].get("perplexity"), eff["rank1"].get("perplexity"),
+                        eff["activation_addition"].get("perplexity")]
+            else:
+                row += [eff["before"]["pooled_cos_mean"], eff["rank1"]["pooled_cos_mean"],
+                        eff["activation_addition"]["pooled_cos_mean"], None, None, None]
+            table.append(row)
+        dec = [r for r in rows if "target_prob_mean" in r["closed"]["effects"]["conditions"]["before"]]
+    if dec:
+        r = dec[0]
+        ce = r["closed"]["effects"]["conditions"]
+        labels = ["before", "rank-1 (closed)", "activation addition"]
+        figs.append(plots.plot_bars(labels, [ce["before"]["target_prob_mean"]] * 3,
+                                    [ce["before"]["target_prob_mean"], ce["rank1"]["target_prob_mean"],
+                                     ce["activation_addition"]["target_prob_mean"]],
+                                    ctx.fig("s7_target_prob.png"), ylabel=f"P('{r['token']}') (mean over prompts)",
+                                    title=f"{r['model']}: probability of the target token"))
+    checks = {
+        "the steered eigenvalue becomes principal with an eigenvector close to u (|cos| ≥ 0.95)": all(
+            r["principal_alpha"]["cos"] >= 0.95 for r in rows),
+        f"closed form: every token reaches |cos| ≥ {TARGET} after the last layer (paper rule)": all(
+            r["closed"]["effects"]["paper_rule_alignment"]["rank1"]["abs_min"] >= TARGET - 1e-3 for r in rows),
+        "gradient: feasible with ‖ΔO‖ ≤ closed form": all(
+            r["gradient"]["feasible"] and r["gradient"]["norm"] <= r["closed"]["norm"] * (1 + 1e-6) for r in rows),
+        "in the model's own forward pass the rank-1 edit raises the final alignment |cos| with u": all(
+            r["closed"]["effects"]["conditions"]["rank1"]["abs_alignment"]
+            > r["closed"]["effects"]["conditions"]["before"]["abs_alignment"] for r in rows),
+    }
+    parts = []
+    for r in rows:
+        c, g = r["closed"], r["gradient"]
+        ce = c["effects"]["conditions"]
+        s = (f"{r['model']} (u = '{r['word']}'): α = {c['alpha']:.3g} (‖ΔO‖ = {c['norm']:.3g}) puts every token at "
+             f"|cos| ≥ {TARGET} under the paper rule; the gradient method reaches it with ‖ΔO‖ = {g['norm']:.3g} "
+             f"({g['norm'] / c['norm']:.0%} of the closed form). u becomes principal from α = "
+             f"{r['principal_alpha']['alpha']:.3g}. In the model's own forward pass the final alignment |cos| goes "
+             f"{ce['before']['abs_alignment']:.3f} → {ce['rank1']['abs_alignment']:.3f} (rank-1) vs "
+             f"{ce['activation_addition']['abs_alignment']:.3f} (activation addition, equal change norm)")
+        if "target_prob_mean" in ce["before"]:
+            s += (f"; P('{r['token']}') {ce['before']['target_prob_mean']:.3f} → {ce['rank1']['target_prob_mean']:.3f} "
+                  f"(rank-1) vs {ce['activation_addition']['target_prob_mean']:.3f} (activation addition), perplexity "
+                  f"{ce['before']['perplexity']:.1f} → {ce['rank1']['perplexity']:.1f} vs "
+                  f"{ce['activation_addition']['perplexity']:.1f}")
+        parts.append(s)
+    cols = ["model", "method", "‖ΔO‖", "align. rank-1 (full)", "align. act.-add.", "align. before",
+            "P(target)/pooled cos before", "rank-1", "act.-add.", "ppl before", "ppl rank-1", "ppl act.-add."]
+    return SectionResult("steering", "7. Steering with a rank-1 change of the last layer",
+                         "A large enough rank-1 perturbation of the last layer's output matrix opens a large spectral "
+                         "gap with a chosen principal eigenvector, and the tokens align with it almost perfectly, "
+                         "whatever the architecture.", verdict_from({k: bool(v) for k, v in checks.items()}),
+                         ". ".join(parts) + ".", {"per_model": rows, "checks": {k: bool(v) for k, v in checks.items()}},
+                         figs, [Table("Closed form vs gradient vs activation addition", cols, table)])
+
+
+SECTIONS = [section_steering]
