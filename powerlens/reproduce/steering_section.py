@@ -140,4 +140,5 @@ def section_steering(ctx) -> SectionResult:
                          figs, [Table("Closed form vs gradient vs activation addition", cols, table)])
 
 
+section_steering.title = "7. Steering with a rank-1 change of the last layer"
 SECTIONS = [section_steering]

@@ -333,4 +333,8 @@ def section_bipartite(ctx) -> SectionResult:
                          verdict_from(checks), summary, numbers, figs, [table])
 
 
+section_dominant_real.title = "1. Shared weights, strictly dominant real eigenvalue"
+section_complex_pair.title = "2. Dominant complex pair: a limit cycle"
+section_close_eigenvalues.title = "3. Close top eigenvalues (ALBERT-base/large-like)"
+section_bipartite.title = "4. Bipartite consensus"
 SECTIONS = [section_dominant_real, section_complex_pair, section_close_eigenvalues, section_bipartite]
