@@ -115,5 +115,5 @@ def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") ->
     info = ModelInfo(family="albert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=config.get("pad_token_id", 0),
                      bos_token_id=config.get("bos_token_id"), hidden_state_steps=hidden_state_steps(L, I),
-                     name=name)
+                     name=name, inner_group_num=I)
     return Model(layers=layers, embeddings=emb, info=info)

@@ -114,8 +114,8 @@ def section_dominant_real(ctx) -> SectionResult:
                                      xlabel="predicted |1+λ2|/|1+λ1|",
                                      ylabel="measured rate of tan∠(x̄, v1)",
                                      title="Convergence of the common direction to v1"),
-        plots.plot_consensus(np.array(rows[0]["consensus"]), ctx.fig("s1_consensus_example.png"),
-                             predicted_rate=rows[0]["pred_consensus_rate"],
+        plots.plot_consensus(np.array(rows[0]["consensus"])[:60], ctx.fig("s1_consensus_example.png"),
+                             predicted_rate=rows[0]["pred_consensus_rate"], fit_start=5,
                              title=f"Consensus, λ1={rows[0]['lambda1']:.2f} (softmax, 2 heads)"),
     ]
     checks = {"consensus rate within 5% (median)": bool(err_c < 0.05),
