@@ -77,10 +77,54 @@ def softmax_weights(lp, X, valid, positions=None):
     if positions is None:
         positions = jnp.arange(n)
     q, k = queries_keys(lp, X, positions)
-    s = lp.scale * jnp.einsum("hie,hje->hij", q, k)
+    return masked_softmax(lp, jnp.einsum("hie,hje->hij", q, k), valid)
+
+
+def masked_softmax(lp, qk, valid):
+    """softmax(scale * qk + mask) over keys: qk (H, n, n) raw scores q_i . k_j."""
+    n = qk.shape[-1]
+    s = lp.scale * qk
     ok = allowed_keys(n, valid, causal=lp.config.causal, window=lp.window)
     s = jnp.where(ok[None], s, jnp.finfo(s.dtype).min)
     return jax.nn.softmax(s, axis=-1)
+
+
+def qkv_weight(lp):
+    """W_q, W_k, W_v stacked for a single projection: ((H + 2G) e, d)."""
+    return jnp.concatenate([a.reshape(-1, a.shape[-1]) for a in (lp.W_q, lp.W_k, lp.W_v)])
+
+
+def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
+    """M (n, H, e) with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention, from one
+    fused projection X @ qkv^T (qkv = :func:`qkv_weight`, precomputed by loops that reuse it).
+
+    Same maths as :func:`softmax_weights` followed by A_h (X W_vg^T), in token-major layout.
+    """
+    cfg = lp.config
+    if lp.W_q is None or lp.W_k is None:
+        raise ValueError("softmax attention needs W_q and W_k, and this system has none: "
+                         "use attention='uniform' or 'identity'")
+    n = X.shape[0]
+    H, G, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    Z = X @ (qkv_weight(lp) if qkv is None else qkv).T                  # (n, (H + 2G) e)
+    q = Z[:, :H * e].reshape(n, H, e)
+    k = Z[:, H * e:(H + G) * e].reshape(n, G, e)
+    v = Z[:, (H + G) * e:].reshape(n, G, e)
+    if lp.b_q is not None:
+        q = q + lp.b_q
+    if lp.b_k is not None:
+        k = k + lp.b_k
+    if cfg.rope_theta is not None:
+        if positions is None:
+            positions = jnp.arange(n)
+        rope = lambda t: jnp.swapaxes(apply_rope(jnp.swapaxes(t, 0, 1), positions, cfg.rope_theta,
+                                                 cfg.rope_dim), 0, 1)
+        q, k = rope(q), rope(k)
+    if cfg.kv_group > 1:
+        k = jnp.repeat(k, cfg.kv_group, axis=1)
+        v = jnp.repeat(v, cfg.kv_group, axis=1)
+    A = masked_softmax(lp, jnp.einsum("ihe,jhe->hij", q, k), valid)     # (H, n, n)
+    return jnp.einsum("hij,jhe->ihe", A, v)
 
 
 def uniform_weights(n: int, valid, causal: bool, dtype=jnp.float32):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .attention import attention_weights, check_attention
+from .attention import attention_weights, check_attention, softmax_attention_mix
 from .norms import apply_norm, l2_normalize
 
 RULES = ("paper", "post_ln", "pre_ln", "full")
@@ -33,21 +33,25 @@ def default_keep_bias(rule: str) -> bool:
     return rule != "paper"
 
 
-def attention_output(lp, X, valid, *, attention: str = "softmax", keep_bias: bool = False, positions=None):
+def attention_output(lp, X, valid, *, attention: str = "softmax", keep_bias: bool = False, positions=None,
+                     qkv=None):
     """attn(X) of one layer: (n, d).
 
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
-    heads and projected by W_o, so the cost is that of a standard attention layer.
+    heads and projected by W_o, so the cost is that of a standard attention layer. For
+    softmax attention q, k and v come from one fused projection (``qkv``: the stacked
+    weight of :func:`~powerlens.dynamics.attention.qkv_weight`, built here when not given).
     """
     cfg = lp.config
-    A = attention_weights(lp, X, valid, attention, positions)          # (H|1, n, n)
-    V = jnp.einsum("ged,nd->gne", lp.W_v, X)                           # (G, n, e)
-    if attention == "softmax":
-        V = jnp.repeat(V, cfg.kv_group, axis=0)                        # (H, n, e)
-        M = jnp.einsum("hij,hje->ihe", A, V)
-    else:
-        M = jnp.repeat(jnp.einsum("ij,gje->ige", A[0], V), cfg.kv_group, axis=1)
     n = X.shape[0]
+    if attention == "softmax":
+        M = softmax_attention_mix(lp, X, valid, positions, qkv)        # (n, H, e)
+    else:
+        A = attention_weights(lp, X, valid, attention, positions)[0]   # (n, n), shared by all heads
+        V = X @ lp.W_v.reshape(-1, X.shape[-1]).T                      # (n, G e)
+        M = (A @ V).reshape(n, cfg.n_kv_heads, cfg.d_head)
+        if cfg.kv_group > 1:
+            M = jnp.repeat(M, cfg.kv_group, axis=1)                    # (n, H, e)
     out = M.reshape(n, -1) @ lp.W_o.T
     if keep_bias:
         if lp.b_v is not None:
@@ -90,13 +94,14 @@ def ffn(lp, X):
 
 
 def layer_step(lp, X, valid, *, rule: str = "paper", attention: str = "softmax",
-               keep_bias: bool | None = None, positions=None):
-    """Apply one layer under ``rule``: (n, d) -> (n, d)."""
+               keep_bias: bool | None = None, positions=None, qkv=None):
+    """Apply one layer under ``rule``: (n, d) -> (n, d). ``qkv``: optional precomputed
+    fused projection weight (see :func:`attention_output`)."""
     check_rule(rule)
     check_attention(attention)
     if keep_bias is None:
         keep_bias = default_keep_bias(rule)
-    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions)
+    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions, qkv=qkv)
     if rule == "paper":
         return l2_normalize(X + attention_output(lp, X, valid, **kw))
     if rule == "post_ln":

@@ -43,9 +43,24 @@ class Trajectory:
     states: Optional[jax.Array] = None  # (T+1, n, d) when asked
 
 
-def _state_measures(X, valid):
-    return (M.consensus_distance(X, valid), M.rank_collapse_residual(X, valid),
-            M.mean_pairwise_cosine(X, valid))
+def _state_measures(X, valid, norms=None):
+    """consensus mu, rank-collapse residual and mean pairwise cosine of one state, sharing the
+    token mean, the masked residual and the row norms (same maths as
+    :func:`~powerlens.analysis.measures.consensus_distance`, ``rank_collapse_residual``,
+    ``mean_pairwise_cosine``)."""
+    w = valid.astype(X.dtype)
+    n = jnp.maximum(w.sum(), 1.0)
+    Xw = X * w[:, None]
+    R = (X - (w @ X) / n) * w[:, None]
+    mu = jnp.sqrt(jnp.sum(R * R) / jnp.sum(Xw * Xw))
+    aR, aX = jnp.abs(R), jnp.abs(Xw)
+    n1inf = lambda A: jnp.max(jnp.sum(A, axis=0)) * jnp.max(jnp.sum(A, axis=1))
+    res = jnp.sqrt(n1inf(aR) / n1inf(aX))
+    if norms is None:
+        norms = jnp.linalg.norm(X, axis=-1)
+    s = (w / jnp.where(norms > 0, norms, 1.0)) @ X     # (a zero padding row must not give NaN)
+    pc = (jnp.dot(s, s) - jnp.sum(w)) / jnp.maximum(n * (n - 1), 1.0)
+    return mu, res, pc
 
 
 def simulate(layers, x0, subspaces, *, valid=None, rule: str = "paper", attention: str = "softmax",
@@ -71,31 +86,61 @@ def simulate(layers, x0, subspaces, *, valid=None, rule: str = "paper", attentio
     sched = jnp.asarray(layers.schedule if schedule is None else schedule, jnp.int32)
     # rotation is defined only for a complex-pair plane: a 2-D principal subspace on which
     # the restriction T2 = B^T F B has complex eigenvalues (not a repeated real one)
-    B2 = subspaces.basis[:, 0, :, :2]                                   # (U, d, 2)
-    T2 = jnp.einsum("udi,ude,uej->uij", B2, layer_matrices(layers), B2)
-    disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
-    is_pair = (subspaces.dim[:, 0] == 2) & (disc < 0)                  # (U,)
+    if subspaces.basis.shape[-1] >= 2:
+        B2 = subspaces.basis[:, 0, :, :2]                               # (U, d, 2)
+        T2 = jnp.einsum("udi,ude,uej->uij", B2, layer_matrices(layers), B2)
+        disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
+        # complex iff disc < 0; a repeated real eigenvalue gives disc ~ 0 up to rounding, so
+        # |Im lambda| must exceed 1e-5 of the block's scale
+        tol = (1e-5 * jnp.max(jnp.abs(T2), axis=(1, 2))) ** 2
+        is_pair = (subspaces.dim[:, 0] == 2) & (disc < -tol)           # (U,)
+    else:                                                               # only 1-D references
+        is_pair = jnp.zeros(subspaces.dim.shape[:1], bool)
 
-    def step(X, u):
-        lp = layers.layer(u)
-        B = subspaces.basis[u]                    # (m, d, k)
+    U, m, d, k = subspaces.basis.shape
+    # all m reference bases side by side: one (d, m k) matmul projects the tokens on all of them
+    B_all = jnp.swapaxes(subspaces.basis, 1, 2).reshape(U, d, m * k)
+    shared = U == 1            # one unique layer: hoist its parameters out of the scan (no gather)
+
+    def project(X, u, norms=None):
+        """gamma (m, n) against every reference and each token's angle in the principal plane (n,)."""
+        P = (X @ B_all[u]).reshape(n, m, k)
+        norms = jnp.linalg.norm(X, axis=-1) if norms is None else norms
+        g = (jnp.linalg.norm(P, axis=-1) / jnp.where(norms > 0, norms, 1.0)[:, None]).T
+        return g, jnp.arctan2(P[:, 0, 1], P[:, 0, 0]) if k >= 2 else None   # angle in the plane
+
+    # softmax: the fused q/k/v projection weight of every unique layer, built once
+    qkv_all = None
+    if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
+        qkv_all = jnp.concatenate([a.reshape(U, -1, d) for a in (layers.W_q, layers.W_k, layers.W_v)], axis=1)
+    lp0 = layers.layer(0) if shared else None
+
+    def step(carry, u):
+        X, prev = carry
+        lp = lp0 if shared else layers.layer(u)
+        qkv = None if qkv_all is None else qkv_all[0 if shared else u]
         dims = subspaces.dim[u]                   # (m,)
         Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                       positions=positions)
-        g0 = jax.vmap(M.alignment, (None, 0))(X, B)   # (m, n)
-        g1 = jax.vmap(M.alignment, (None, 0))(Y, B)
+                       positions=positions, qkv=qkv)
+        g0, c0 = prev if shared else project(X, u)   # shared: X was projected on the same bases
+        nY = jnp.linalg.norm(Y, axis=-1)
+        g1, c1 = project(Y, u, nY)
         defined = dims > 0
         gamma = jnp.where(defined, M.masked_mean(g1, valid), jnp.nan)
         gamma_b = jnp.where(defined, M.masked_mean(g0, valid), jnp.nan)
         rho = jnp.where(defined, M.masked_mean((g1 > g0).astype(X.dtype), valid), jnp.nan)
-        dtheta = M.wrap_angle(M.plane_angles(Y, B[0]) - M.plane_angles(X, B[0]))
-        rot = jnp.where(is_pair[u], M.masked_mean(dtheta, valid), jnp.nan)
-        out = (gamma, gamma_b, rho, rot) + _state_measures(Y, valid)
+        if k >= 2:
+            dtheta = M.wrap_angle(c1 - c0)
+            rot = jnp.where(is_pair[u], M.masked_mean(dtheta, valid), jnp.nan)
+        else:
+            rot = jnp.full((), jnp.nan, X.dtype)
+        out = (gamma, gamma_b, rho, rot) + _state_measures(Y, valid, nY)
         if save_states:
             out = out + (Y,)
-        return Y, out
+        return (Y, (g1, c1) if shared else None), out
 
-    final, outs = jax.lax.scan(step, x0, sched)
+    init = (x0, project(x0, 0) if shared else None)
+    (final, _), outs = jax.lax.scan(step, init, sched)
     c0, r0, p0 = _state_measures(x0, valid)
     cat = lambda a0, a: jnp.concatenate([a0[None], a])
     states = jnp.concatenate([x0[None], outs[7]]) if save_states else None

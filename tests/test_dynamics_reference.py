@@ -1,0 +1,189 @@
+"""The JAX dynamics against the plain NumPy reference (powerlens.dynamics.reference_numpy).
+
+Random systems exercise every attention mode x rule, with grouped-query attention,
+all four biases, keep_bias on and off, a causal mask with a local window, padding
+tokens, a layer-varying schedule, layernorm/rmsnorm parameters and RoPE. The JAX
+path runs in float32, the reference in float64 on the same (float32) weights, so
+the agreement expected is float32 rounding: ~1e-5 after a few steps.
+"""
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from powerlens.analysis.spectra import layer_spectra, reference_subspaces
+from powerlens.dynamics import reference_numpy as R
+from powerlens.dynamics.layer import layer_step
+from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
+from powerlens.dynamics.simulate import simulate_batch, simulate_jit
+from powerlens.dynamics.synthetic import spectrum_matrix, split_heads
+
+TOL = 1e-5
+
+
+def _system(*, causal, window, norm, rope_theta=None, rope_dim=None, heads=4, kv_heads=2, d=8, e=4,
+            seed=0, schedule=(0, 1, 1, 0, 1), biases=True):
+    """Two unique layers. Layer 0 has a dominant complex pair (rotation measured), layer 1
+    a dominant real eigenvalue. W_v is shared by the query heads of each kv group, so F is
+    split with split_heads on the G kv heads and W_o's columns duplicated / group."""
+    rng = np.random.default_rng(seed)
+    group = heads // kv_heads
+    Fs = [spectrum_matrix([0.9 + 0.8j, 0.3, -0.4, 0.2], kind="nonnormal", d=d, rng=rng, nonnormality=0.3),
+          spectrum_matrix([1.2, 0.5, -0.6, 0.1], kind="normal", d=d, rng=rng)]
+    W_v, W_o = [], []
+    for F in Fs:
+        V, O = split_heads(F, kv_heads, rng, d_head=e)     # O (d, G e)
+        # each kv head g serves `group` query heads: split its output block evenly
+        O_full = np.concatenate([O[:, g * e:(g + 1) * e] / group for g in range(kv_heads) for _ in range(group)],
+                                axis=1)
+        W_v.append(V)
+        W_o.append(O_full)
+    W_v, W_o = np.stack(W_v), np.stack(W_o)
+    U = 2
+    arr = lambda *s: (0.3 * rng.standard_normal(s)).astype(np.float32)
+    cfg = LayerConfig(d_model=d, n_heads=heads, n_kv_heads=kv_heads, d_head=e, causal=causal, norm=norm,
+                      norm_eps=1e-5, rope_theta=rope_theta, rope_dim=rope_dim, schedule=schedule)
+    extra = {}
+    if biases:
+        extra = dict(b_q=arr(U, heads, e), b_k=arr(U, kv_heads, e), b_v=arr(U, kv_heads, e), b_o=arr(U, d))
+    if norm != "l2":
+        extra.update(norm_scale=(1 + arr(U, d)).astype(np.float32), norm_bias=arr(U, d))
+    layers = make_layers(W_v.astype(np.float32), W_o.astype(np.float32),
+                         W_q=(rng.standard_normal((U, heads, e, d))).astype(np.float32),
+                         W_k=(rng.standard_normal((U, kv_heads, e, d))).astype(np.float32),
+                         scale=np.array([1.0, 0.7], np.float32), window=np.array(window, np.int32),
+                         config=cfg, **extra)
+    return layers
+
+
+@pytest.fixture(scope="module")
+def sys_causal():
+    """Causal, window 3 on layer 0 (global on layer 1), layernorm, GQA 4/2, all biases."""
+    layers = _system(causal=True, window=(3, 0), norm="layernorm")
+    sub = reference_subspaces(layer_spectra(layer_matrices(layers)), seed=1)
+    rng = np.random.default_rng(5)
+    x0 = rng.standard_normal((7, 8)).astype(np.float32)
+    x0 /= np.linalg.norm(x0, axis=1, keepdims=True)
+    valid = np.array([1, 1, 0, 1, 1, 1, 0], bool)          # a padded token inside and at the end
+    return layers, sub, x0, valid
+
+
+@pytest.fixture(scope="module")
+def sys_rope():
+    """Bidirectional, window 2 on layer 1, rmsnorm, RoPE on 2 of 4 head dims, MHA."""
+    layers = _system(causal=False, window=(0, 2), norm="rmsnorm", rope_theta=100.0, rope_dim=2, heads=3,
+                     kv_heads=3, e=4, seed=3, schedule=(1, 0, 1, 1))
+    sub = reference_subspaces(layer_spectra(layer_matrices(layers)), seed=2)
+    rng = np.random.default_rng(6)
+    x0 = rng.standard_normal((6, 8)).astype(np.float32)
+    valid = np.array([1, 1, 1, 1, 1, 0], bool)
+    return layers, sub, x0, valid
+
+
+def _compare(traj, ref, valid, tol=TOL):
+    g = np.asarray(traj.gamma)
+    assert g.shape == ref["gamma"].shape
+    np.testing.assert_allclose(g, ref["gamma"], atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(traj.gamma_before), ref["gamma_before"], atol=tol, rtol=tol)
+    # rho counts strict inequalities: equal wherever no token is within rounding of a tie
+    rho = np.asarray(traj.rho)
+    clear = ref["rho_margin"] > 1e-4
+    np.testing.assert_allclose(rho[clear], ref["rho"][clear], atol=1e-6)
+    n = int(valid.sum())
+    assert np.all(np.abs(rho - ref["rho"])[~np.isnan(rho)] <= 1.0 / n + 1e-6)
+    np.testing.assert_array_equal(np.isnan(rho), np.isnan(ref["rho"]))
+    rot = np.asarray(traj.rotation)
+    np.testing.assert_array_equal(np.isnan(rot), np.isnan(ref["rotation"]))
+    np.testing.assert_allclose(rot[~np.isnan(rot)], ref["rotation"][~np.isnan(rot)], atol=tol)
+    for key in ("consensus", "rank_collapse", "pairwise_cos"):
+        np.testing.assert_allclose(np.asarray(getattr(traj, key)), ref[key], atol=tol, rtol=tol, err_msg=key)
+    fin = np.asarray(traj.final)[valid]
+    scale = 1 + np.abs(ref["final"][valid]).max()
+    np.testing.assert_allclose(fin, ref["final"][valid], atol=tol * scale, rtol=0)
+    assert int(traj.n_valid) == n
+
+
+@pytest.mark.parametrize("attention", ["softmax", "uniform", "identity"])
+@pytest.mark.parametrize("rule", ["paper", "post_ln", "pre_ln"])
+def test_causal_window_padding_gqa(sys_causal, attention, rule):
+    layers, sub, x0, valid = sys_causal
+    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention)
+    ref = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention=attention)
+    _compare(traj, ref, valid)
+    # the dominant complex pair of layer 0 makes the rotation defined on its steps only
+    sched = np.array(layers.schedule)
+    assert np.all(np.isnan(np.asarray(traj.rotation)[sched == 1]))
+    assert np.all(np.isfinite(np.asarray(traj.rotation)[sched == 0]))
+
+
+@pytest.mark.parametrize("rule,keep_bias", [("paper", True), ("post_ln", False), ("pre_ln", False)])
+def test_keep_bias_flipped(sys_causal, rule, keep_bias):
+    """keep_bias opposite to each rule's default, and the constant c = O b_v + b_o really
+    enters: the result differs from the default by more than rounding."""
+    layers, sub, x0, valid = sys_causal
+    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule,
+                        attention="softmax", keep_bias=keep_bias)
+    ref = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention="softmax", keep_bias=keep_bias)
+    _compare(traj, ref, valid)
+    other = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention="softmax")
+    assert np.abs(other["final"] - ref["final"])[valid].max() > 1e-2
+
+
+@pytest.mark.parametrize("attention", ["softmax", "uniform"])
+@pytest.mark.parametrize("rule", ["paper", "post_ln", "pre_ln"])
+def test_rope_window_rmsnorm(sys_rope, attention, rule):
+    layers, sub, x0, valid = sys_rope
+    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention)
+    ref = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention=attention)
+    _compare(traj, ref, valid)
+
+
+def test_rope_changes_softmax(sys_rope):
+    """RoPE really acts: dropping it changes one softmax step by far more than rounding,
+    in both implementations alike."""
+    layers, _, x0, valid = sys_rope
+    p = R.layer_dicts(layers)[1]
+    kw = R.static_kwargs(layers.config)
+    with_rope = R.layer_step(p, x0.astype(np.float64), valid, attention="softmax", **kw)
+    kw.update(rope_theta=None)
+    without = R.layer_step(p, x0.astype(np.float64), valid, attention="softmax", **kw)
+    assert np.abs(with_rope - without)[valid].max() > 1e-3
+    jx = layer_step(layers.layer(1), jnp.asarray(x0), jnp.asarray(valid), rule="paper", attention="softmax")
+    np.testing.assert_allclose(np.asarray(jx)[valid], with_rope[valid], atol=TOL)
+
+
+def test_attention_patterns_by_hand():
+    """The reference's masks on a 4-token example, written out by hand:
+    causal window 2 -> token i sees {i-1, i}; token 2 is padding and is nobody's key."""
+    ok = R.allowed(4, np.array([1, 1, 0, 1], bool), causal=True, window=2)
+    np.testing.assert_array_equal(ok, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]])
+    ok = R.allowed(4, np.ones(4, bool), causal=False, window=2)
+    np.testing.assert_array_equal(ok, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1]])
+    p = {"W_v": np.zeros((1, 2, 3)), "W_o": np.zeros((3, 2))}
+    A = R.attention_matrices(p, np.ones((3, 3)), np.ones(3, bool), mode="uniform", causal=True)[0]
+    np.testing.assert_allclose(A, [[1, 0, 0], [.5, .5, 0], [1 / 3, 1 / 3, 1 / 3]])
+
+
+def test_batch_matches_reference_per_prompt(sys_causal):
+    """simulate_batch over 3 prompts with different padding equals the reference prompt by prompt."""
+    layers, sub, x0, _ = sys_causal
+    rng = np.random.default_rng(9)
+    X0 = np.stack([x0, np.roll(x0, 1, axis=0), rng.standard_normal(x0.shape).astype(np.float32)])
+    valid = np.ones((3, 7), bool)
+    valid[0, 5:] = False
+    valid[2, 0] = False
+    traj = simulate_batch(layers, X0, sub, valid=valid, rule="paper", attention="softmax")
+    for b in range(3):
+        ref = R.simulate_layers(layers, X0[b], sub, valid=valid[b], rule="paper", attention="softmax")
+        one = type(traj)(**{k: (None if v is None else v[b]) for k, v in vars(traj).items()})
+        _compare(one, ref, valid[b])
+
+
+def test_fast_reference_equals_loop_reference(sys_causal):
+    """The vectorised NumPy path used as benchmark baseline is the same maths as the loops."""
+    layers, sub, x0, valid = sys_causal
+    for attention in ("softmax", "uniform"):
+        a = R.simulate_layers(layers, x0, sub, valid=valid, rule="paper", attention=attention)
+        b = R.simulate_layers(layers, x0, sub, valid=valid, rule="paper", attention=attention, fast=True)
+        for key in ("gamma", "gamma_before", "rho", "rotation", "consensus", "rank_collapse", "pairwise_cos",
+                    "final"):
+            np.testing.assert_allclose(b[key], a[key], atol=1e-12, err_msg=key)
