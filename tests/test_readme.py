@@ -25,8 +25,13 @@ def test_documented_commands_exist():
     from powerlens.cli import build_parser
     parser = build_parser()
     sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    blocks = "\n".join(re.findall(r"```(?:bash)?\n(.*?)```", _readme(), re.S))
-    names = re.findall(r"^powerlens (\w+)", blocks, re.M)
+    inside, lines = False, []
+    for line in _readme().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    names = re.findall(r"^powerlens (\w+)", "\n".join(lines), re.M)
     assert {"simulate", "spectrum", "align", "steer", "reproduce"} <= set(names)
     for name in names:
         assert name in sub.choices, name
