@@ -40,6 +40,7 @@ reproduce: $(VENV)/.runtime
 bench: $(VENV)/.test
 	$(PY) benchmarks/simulate.py
 	$(PY) benchmarks/steering.py
+	$(PY) benchmarks/models.py
 
 clean:
 	rm -rf $(VENV) results
