@@ -171,11 +171,12 @@ def _limit_blas_threads() -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "x64", False):
-        import jax
-        jax.config.update("jax_enable_x64", True)
     _limit_blas_threads()
     try:
+        if getattr(args, "x64", False):
+            import jax
+            with jax.enable_x64(True):          # scoped: a library caller's process keeps its setting
+                return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FloatingPointError) as exc:
         print(f"powerlens {args.command}: error: {exc}", file=sys.stderr)
