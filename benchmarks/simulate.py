@@ -40,6 +40,13 @@ import os
 import sys
 import time
 
+# Expose every CPU core as a JAX host device, so that the sweep can be split over cores with
+# shard_map (XLA runs one small-matmul program per device on one core otherwise). Set before
+# jax is imported; it does nothing on GPU/TPU backends.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +137,21 @@ def main(argv=None):
             out = jax.lax.map(lambda a: jax.vmap(one)(*a), jax.tree_util.tree_map(split, (stacked, X0, subs)))
             return jax.tree_util.tree_map(lambda a: a.reshape((S,) + a.shape[2:]), out)
         variants[f"vmap in chunks of {C} (lax.map)"] = jax.jit(chunked)
+    ndev = jax.device_count()
+    if C and ndev > 1 and S % (ndev * C) == 0:
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        mesh = Mesh(np.array(jax.devices()), ("s",))
+        local = S // ndev
+
+        def chunked_local(stacked, X0, subs):
+            split = lambda a: a.reshape((local // C, C) + a.shape[1:])
+            out = jax.lax.map(lambda a: jax.vmap(one)(*a), jax.tree_util.tree_map(split, (stacked, X0, subs)))
+            return jax.tree_util.tree_map(lambda a: a.reshape((local,) + a.shape[2:]), out)
+
+        sharded = jax.jit(jax.shard_map(chunked_local, mesh=mesh, in_specs=P("s"), out_specs=P("s")))
+        place = lambda tree: jax.device_put(tree, NamedSharding(mesh, P("s")))
+        s_in = place((stacked, X0, subs))
+        variants[f"shard_map over {ndev} devices x chunks of {C}"] = lambda *_: sharded(*s_in)
     timings = {}
     for name, run in variants.items():
         t0 = time.perf_counter()

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -50,14 +51,34 @@ def _sweep(stacked, X0, subspaces, valid, *, rule, attention, keep_bias, save_st
 _sweep_jit = jax.jit(_sweep, static_argnames=("rule", "attention", "keep_bias", "save_states"))
 
 
+@functools.lru_cache(maxsize=32)
+def _sharded_sweep(ndev: int, rule, attention, keep_bias, save_states):
+    """jit(shard_map(vmap(simulate))) over the first ``ndev`` devices, systems split evenly."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:ndev]), ("systems",))
+    f = functools.partial(_sweep, rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states)
+    return mesh, jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("systems"), out_specs=P("systems")))
+
+
 def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, rule: str = "paper",
                    attention: str = "softmax", keep_bias: Optional[bool] = None,
-                   save_states: bool = False) -> Trajectory:
-    """Simulate S systems, one prompt X0[s] (n, d) each, in one jit/vmap call."""
+                   save_states: bool = False, shard: bool = True) -> Trajectory:
+    """Simulate S systems, one prompt X0[s] (n, d) each, in one jit/vmap call.
+
+    With several devices (GPUs, TPU cores, or CPU cores exposed as host devices with
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported) and
+    ``shard``, the systems are split evenly over them with ``shard_map`` when S divides.
+    """
     X0 = jnp.asarray(X0, stacked.W_v.dtype)
     if X0.ndim != 3:
         raise ValueError(f"X0 must have shape (S, n, d), got {X0.shape}")
     if valid is None:
         valid = jnp.ones(X0.shape[:2], bool)
+    ndev = jax.device_count()
+    if shard and ndev > 1 and X0.shape[0] % ndev == 0:
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh, run = _sharded_sweep(ndev, rule, attention, keep_bias, save_states)
+        args = jax.device_put((stacked, X0, subspaces, jnp.asarray(valid)), NamedSharding(mesh, P("systems")))
+        return run(*args)
     return _sweep_jit(stacked, X0, subspaces, valid, rule=rule, attention=attention, keep_bias=keep_bias,
                       save_states=save_states)
