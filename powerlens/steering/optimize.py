@@ -96,22 +96,55 @@ def _delta(params, u, n0, param):
     return n0 * params["P"] @ params["Q"].T
 
 
-def solve_one(layers, X, valid, u, key, R, positions=None, *, layer: int, tail: Tuple[int, ...], rule: str, attention: str,
+def _low_rank_change(params, u, n0, param, m):
+    """The change of the steered layer's output, (B, n, d), without forming dO (d, H e).
+
+    lowrank: dO m = n0 P (Q^T m);  w_alpha: dO m = e^a u (w . m)."""
+    if param == "w_alpha":
+        return jnp.exp(params["a"]) * (m @ params["w"])[..., None] * u
+    return n0 * (m @ params["Q"]) @ params["P"].T
+
+
+def _delta_sq(params, param):
+    """||dO||_F^2 / n0^2 (lowrank) or ||dO||_F^2 / n0^2 with n0 folded in (w_alpha: e^2a ||w||^2)."""
+    if param == "w_alpha":
+        return jnp.exp(2 * params["a"]) * jnp.sum(params["w"] ** 2)
+    return jnp.sum((params["P"].T @ params["P"]) * (params["Q"].T @ params["Q"]))
+
+
+def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Tuple[int, ...],
+              rule: str, attention: str,
               keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
               mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
               lr_floor: float = 0.05, signed: bool = True):
     """Optimise one direction u (d,) (unit). R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
 
+    ``pm = (p, m)``: when the steered layer is the last step under rule ``paper``, its
+    unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e) (neither depends on
+    W_o); the final tokens are then N2(p + dO m) and dO m is applied in low-rank form,
+    so each optimiser step costs O((d + H e) n r) instead of a layer's forward pass.
+
     Returns a dict of arrays (see :class:`SteeringResult`)."""
     dtype = X.dtype
-    align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
-                              attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
-                              signed=signed)
-    # closed form at the target alignment: bisection on log alpha along alpha u w_cf^T
     w_cf = R @ u
     if w_kind == "value":
         w_cf = w_cf / jnp.linalg.norm(w_cf)
-    ray = lambda log_a: align(jnp.exp(log_a) * jnp.outer(u, w_cf))
+    if pm is not None:
+        p_out, m_mix = pm
+
+        def align_change(change):
+            cos = token_cos(p_out + change, u)
+            return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
+
+        ray = lambda log_a: align_change(jnp.exp(log_a) * (m_mix @ w_cf)[..., None] * u)
+        align_params = lambda prm, n0: align_change(_low_rank_change(prm, u, n0, param, m_mix))
+    else:
+        align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
+                                  attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
+                                  signed=signed)
+        ray = lambda log_a: align(jnp.exp(log_a) * jnp.outer(u, w_cf))
+        align_params = lambda prm, n0: align(_delta(prm, u, n0, param))
+    # closed form at the target alignment: bisection on log alpha along alpha u w_cf^T
     lo0, hi0 = jnp.asarray(-14.0, dtype), jnp.asarray(14.0, dtype)
     cf_feasible = ray(hi0) >= target
 
@@ -137,9 +170,8 @@ def solve_one(layers, X, valid, u, key, R, positions=None, *, layer: int, tail: 
         params = {"P": P.at[:, 0].set(u), "Q": Q.at[:, 0].set(w_hat)}
 
     def objective(p, lam):
-        delta = _delta(p, u, n0, param)
-        N = jnp.sum(delta * delta) / (n0 * n0)
-        a = align(delta)
+        N = _delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
+        a = align_params(p, n0)
         g = target - a
         L = N + (jnp.square(jnp.maximum(0.0, lam + mu * g)) - lam * lam) / (2.0 * mu)
         return L, (a, N)
@@ -188,9 +220,9 @@ _STATIC = ("layer", "tail", "rule", "attention", "keep_bias", "target", "reduce"
 solve_one_jit = jax.jit(solve_one, static_argnames=_STATIC)
 
 
-def solve_many(layers, X, valid, U, keys, R, positions=None, **static):
+def solve_many(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
     """:func:`solve_one` vmapped over directions U (K, d) and keys (K, 2)."""
-    return jax.vmap(lambda u, k: solve_one(layers, X, valid, u, k, R, positions, **static))(U, keys)
+    return jax.vmap(lambda u, k: solve_one(layers, X, valid, u, k, R, positions, pm, **static))(U, keys)
 
 
 solve_many_jit = jax.jit(solve_many, static_argnames=_STATIC)
@@ -302,10 +334,14 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
     kw = dict(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target, reduce=reduce,
               param=param, rank=int(rank), steps=int(steps), lr=float(lr), mu=float(mu),
               dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed))
+    pm = None
+    if rule == "paper" and tail == (l,):
+        from .alpha import _terms_batch
+        pm = _terms_batch(layers.layer(l), X, vb, kb, attention, positions)
     if vectorize:
-        out = solve_many_jit(layers, X, vb, U, keys, R, positions, **kw)
+        out = solve_many_jit(layers, X, vb, U, keys, R, positions, pm, **kw)
     else:
-        outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, **kw) for i in range(len(D))]
+        outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, pm, **kw) for i in range(len(D))]
         out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     out = jax.tree_util.tree_map(np.asarray, out)
     return SteeringResult(directions=D, target=target, reduce=reduce, param=param, rank=int(rank), layer=l,
