@@ -281,3 +281,14 @@ def test_save_is_atomic_and_checked(out):
     check_png(path)
     assert os.path.getsize(path) != size1
     assert sorted(os.listdir(out / "sub" / "dir")) == ["c.png"]
+
+
+def test_group_bars_heights(tmp_path):
+    from powerlens.analysis.plots import plot_group_bars
+    series = {"before": [0.01, 0.02], "rank-1": [0.3, 0.1], "act. add.": [0.6, 0.05]}
+    fig = plot_group_bars(["closed", "gradient"], series, str(tmp_path / "g.png"), ylabel="P", logy=True,
+                          return_fig=True)
+    ax = fig.axes[0]
+    heights = sorted(round(p.get_height(), 6) for p in ax.patches)
+    assert heights == sorted([0.01, 0.02, 0.3, 0.1, 0.6, 0.05])
+    assert ax.get_yscale() == "log" and (tmp_path / "g.png").stat().st_size > 5000

@@ -551,6 +551,39 @@ def plot_bars(labels, values_before, values_after, path, *, ylabel: str = "proba
     return save_figure(fig, path, return_fig=return_fig)
 
 
+def plot_group_bars(groups, series, path, *, ylabel: str, xlabel: str = "", logy: bool = False,
+                    title: Optional[str] = None, return_fig: bool = False):
+    """Bars of several named series (dict name -> values, one per group) side by side per group."""
+    groups = [_text(g) for g in groups]
+    k = len(groups)
+    if k == 0 or not series:
+        raise ValueError("groups and series must be non-empty")
+    vals = {name: _vector(v, f"series {name!r}", k) for name, v in series.items()}
+    m = len(vals)
+    w = 0.8 / m
+    xs = np.arange(k)
+    fig = Figure(figsize=(max(6.0, 1.2 * k * m + 2.0), 4.4))
+    ax = fig.subplots()
+    for j, (name, v) in enumerate(vals.items()):
+        pos = xs - 0.4 + w * (j + 0.5)
+        bars = ax.bar(pos, np.where(np.isfinite(v), v, 0.0), w, color=f"C{j}", label=_text(name))
+        for b, val in zip(bars, v):
+            ax.annotate(f"{val:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                        fontsize=8, xytext=(0, 2), textcoords="offset points")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(groups, fontsize=9)
+    ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.legend(fontsize=9, framealpha=0.85)
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(title or ylabel, fontsize=11)
+    fig.tight_layout()
+    return save_figure(fig, path, return_fig=return_fig)
+
+
 def plot_scatter_predicted(predicted, measured, path, *, xlabel: str, ylabel: str, title: Optional[str] = None,
                            return_fig: bool = False):
     """Measured against predicted values with the line y = x (e.g. rates vs |mu2/mu1|)."""

@@ -185,7 +185,7 @@ def section_shared_real(ctx) -> SectionResult:
         def compute(name=name):
             model = _load(name)
             U = model.layers.n_unique
-            idx = list(range(0, U, max(U // (4 if ctx.quick else 10), 1)))
+            idx = list(range(0, U, max(U // 4, 1))) if ctx.quick else list(range(U))
             return _shared_iterations(model, name, ctx, T, idx)
         rows += ctx.store.cached(f"s6_{name}", compute)
     if not rows:

@@ -72,6 +72,7 @@ def section_steering(ctx) -> SectionResult:
     if not rows:
         return SectionResult("steering", "7. Steering", "", "skipped", "MiniLM and SmolLM2 are not installed.")
     figs, table = [], []
+    dec = [r for r in rows if "target_prob_mean" in r["closed"]["effects"]["conditions"]["before"]]
     for r in rows:
         figs.append(plots.plot_curve(np.array(r["alpha_curve"]["alpha"]),
                                      {"worst token (paper rule)": np.array(r["alpha_curve"]["min_alignment"])},
@@ -93,16 +94,21 @@ def section_steering(ctx) -> SectionResult:
                 row += [eff["before"]["pooled_cos_mean"], eff["rank1"]["pooled_cos_mean"],
                         eff["activation_addition"]["pooled_cos_mean"], None, None, None]
             table.append(row)
-        dec = [r for r in rows if "target_prob_mean" in r["closed"]["effects"]["conditions"]["before"]]
-    if dec:
-        r = dec[0]
-        ce = r["closed"]["effects"]["conditions"]
-        labels = ["before", "rank-1 (closed)", "activation addition"]
-        figs.append(plots.plot_bars(labels, [ce["before"]["target_prob_mean"]] * 3,
-                                    [ce["before"]["target_prob_mean"], ce["rank1"]["target_prob_mean"],
-                                     ce["activation_addition"]["target_prob_mean"]],
-                                    ctx.fig("s7_target_prob.png"), ylabel=f"P('{r['token']}') (mean over prompts)",
-                                    title=f"{r['model']}: probability of the target token"))
+    for r in dec:
+        conds = {"closed form ΔO": r["closed"]["effects"]["conditions"],
+                 "gradient ΔO": r["gradient"]["effects"]["conditions"]}
+        series = lambda key: {"before": [c["before"][key] for c in conds.values()],
+                              "rank-1 edit": [c["rank1"][key] for c in conds.values()],
+                              "activation addition (equal change)": [c["activation_addition"][key]
+                                                                     for c in conds.values()]}
+        figs.append(plots.plot_group_bars(list(conds), series("target_prob_mean"),
+                                          ctx.fig(f"s7_{r['model']}_target_prob.png"), logy=True,
+                                          ylabel=f"P('{r['token']}'), mean over prompts",
+                                          title=f"{r['model']}: probability of the target token"))
+        figs.append(plots.plot_group_bars(list(conds), series("perplexity"),
+                                          ctx.fig(f"s7_{r['model']}_perplexity.png"), logy=True,
+                                          ylabel="perplexity on neutral sentences",
+                                          title=f"{r['model']}: the cost of steering"))
     checks = {
         "the steered eigenvalue becomes principal with an eigenvector close to u (|cos| ≥ 0.95)": all(
             r["principal_alpha"]["cos"] >= 0.95 for r in rows),

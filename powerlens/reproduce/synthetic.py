@@ -66,7 +66,7 @@ def _sweep_states(systems, n_tokens, seed, *, attention="softmax", cone=0.5):
 # --------------------------------------------------------------------------- section 1
 
 def section_dominant_real(ctx) -> SectionResult:
-    S = 8 if ctx.quick else 24
+    S = 8 if ctx.quick else 64
     d, n, T = 16, 16, 250
     rng = np.random.default_rng(ctx.seed + 101)
 
@@ -139,7 +139,7 @@ def section_dominant_real(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 2
 
 def section_complex_pair(ctx) -> SectionResult:
-    S = 4 if ctx.quick else 12
+    S = 4 if ctx.quick else 32
     d, n, T = 16, 16, 160
 
     def chunk(c, kind):
@@ -209,8 +209,8 @@ def section_complex_pair(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 3
 
 def section_close_eigenvalues(ctx) -> SectionResult:
-    d, n, T = 16, 16, 400
-    gaps = [0.2, 0.1, 0.05] if ctx.quick else [0.2, 0.15, 0.1, 0.05]
+    d, n, T = 16, 16, 700
+    gaps = [0.2, 0.1, 0.05] if ctx.quick else [0.3, 0.25, 0.2, 0.15, 0.1, 0.075, 0.05, 0.03]
 
     def chunk(g):
         specs = []
@@ -270,7 +270,7 @@ def section_bipartite(ctx) -> SectionResult:
     d, n, T = 8, 8, 60
     heads_list = [1, 2, 4, 8]
     betas = [0.5, 1.0, 2.0, 4.0]
-    per_cell = 16 if ctx.quick else 64
+    per_cell = 16 if ctx.quick else 128
 
     def cell(H, beta):
         r = np.random.default_rng(ctx.seed * 4000 + 17 * H + int(10 * beta))
