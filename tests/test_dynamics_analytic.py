@@ -25,13 +25,7 @@ from powerlens.dynamics.simulate import pooled, simulate_batch, simulate_jit
 from powerlens.dynamics.synthetic import cone_tokens, haar_orthogonal, sphere_tokens, split_heads, synthetic_system
 
 
-@pytest.fixture(scope="module", autouse=True)
-def x64():
-    """float64 for this module only (restored afterwards)."""
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
+pytestmark = pytest.mark.usefixtures("x64")   # float64 for this module only (tests/conftest.py)
 
 
 def _sym(eigs, seed=0):

@@ -18,12 +18,7 @@ from powerlens.dynamics import power as P
 from powerlens.dynamics.synthetic import haar_orthogonal, spectrum_matrix
 
 
-@pytest.fixture(scope="module", autouse=True)
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", old)
+pytestmark = pytest.mark.usefixtures("x64")   # float64 for this module only (tests/conftest.py)
 
 
 def _sym(eigs, seed):

@@ -179,6 +179,23 @@ def check_tokens(x0, d: Optional[int] = None, name: str = "x0") -> np.ndarray:
     return x
 
 
+def check_batch(X0, valid, d: int):
+    """Validated prompts X0 (B, n, d) (a single (n, d) prompt gets B = 1) and mask valid (B, n)."""
+    X0 = check_tokens(X0, d)
+    if X0.ndim == 2:
+        X0 = X0[None]
+    if valid is None:
+        valid = np.ones(X0.shape[:2], bool)
+    valid = np.asarray(valid, bool)
+    if valid.ndim == 1:
+        valid = valid[None]
+    if valid.shape != X0.shape[:2]:
+        raise ValueError(f"valid mask has shape {valid.shape}, expected {X0.shape[:2]}")
+    if not valid.any(axis=1).all():
+        raise ValueError("a prompt has no valid token (empty prompt)")
+    return X0, valid
+
+
 def simulate_batch(layers, X0, subspaces, *, valid=None, rule: str = "paper", attention: str = "softmax",
                    keep_bias: Optional[bool] = None, save_states: bool = False, schedule=None,
                    positions=None) -> Trajectory:
@@ -188,16 +205,7 @@ def simulate_batch(layers, X0, subspaces, *, valid=None, rule: str = "paper", at
     """
     check_rule(rule)
     check_attention(attention)
-    X0 = check_tokens(X0, layers.config.d_model)
-    if X0.ndim == 2:
-        X0 = X0[None]
-    if valid is None:
-        valid = np.ones(X0.shape[:2], bool)
-    valid = np.asarray(valid, bool)
-    if valid.shape != X0.shape[:2]:
-        raise ValueError(f"valid mask has shape {valid.shape}, expected {X0.shape[:2]}")
-    if not valid.any(axis=1).all():
-        raise ValueError("a prompt has no valid token (empty prompt)")
+    X0, valid = check_batch(X0, valid, layers.config.d_model)
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
     dtype = layers.W_v.dtype

@@ -12,13 +12,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..analysis.spectra import Subspaces
 from ..dynamics.attention import check_attention
 from ..dynamics.layer import check_rule, layer_step
 from ..dynamics.norms import apply_norm
-from ..dynamics.simulate import check_tokens
+from ..dynamics.simulate import check_batch
 from .base import Model
 
 
@@ -60,18 +59,7 @@ def run_states(model: Model, x0, valid, *, rule: str = "full", attention: str = 
     check_rule(rule)
     check_attention(attention)
     layers = model.layers
-    X0 = check_tokens(x0, layers.config.d_model)
-    if X0.ndim == 2:
-        X0 = X0[None]
-    if valid is None:
-        valid = np.ones(X0.shape[:2], bool)
-    valid = np.asarray(valid, bool)
-    if valid.ndim == 1:
-        valid = valid[None]
-    if valid.shape != X0.shape[:2]:
-        raise ValueError(f"valid mask has shape {valid.shape}, expected {X0.shape[:2]}")
-    if not valid.any(axis=1).all():
-        raise ValueError("a prompt has no valid token (empty prompt)")
+    X0, valid = check_batch(x0, valid, layers.config.d_model)
     return _states(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid),
                    rule=rule, attention=attention, keep_bias=keep_bias)
 

@@ -180,14 +180,21 @@ def convert_gpt2(config: dict, reader, dtype, name: str) -> Model:
         st["W_out"][i] = reader.get(p + "mlp.c_proj.weight", (f, d)).T
         st["b_out"][i] = reader.get(p + "mlp.c_proj.bias", (d,))
 
+    return pre_ln_decoder("gpt2", config, reader, st, d=d, H=H, e=e, eps=eps, act=act, V=V, P=P,
+                          scale=scale, window=0, src=src, name=name)
+
+
+def pre_ln_decoder(family, config, reader, st, *, d, H, e, eps, act, V, P, scale, window, src, name) -> Model:
+    """The part GPT-2 and GPT-Neo share: a causal pre-LN stack with word + position
+    embeddings (wte, wpe), a final LayerNorm (ln_f) and a tied or separate LM head."""
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="layernorm", norm_eps=eps,
-                      norm_placement="pre", ffn_activation=act, family="gpt2")
+                      norm_placement="pre", ffn_activation=act, family=family)
     arrays = st.finish()
     layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
-                         scale=scale, window=0, config=cfg, **arrays)
+                         scale=scale, window=window, config=cfg, **arrays)
     embeddings = {"word": to_device(reader.get("wte.weight", (V, d))),
                   "position": to_device(reader.get("wpe.weight", (P, d)))}
-    info = ModelInfo(family="gpt2", source=src, tokenizer=tokenizer_folder(src), max_positions=P, decoder=True,
+    info = ModelInfo(family=family, source=src, tokenizer=tokenizer_folder(src), max_positions=P, decoder=True,
                      final_norm_in_hidden_states=True, pad_token_id=config.get("pad_token_id"),
                      bos_token_id=config.get("bos_token_id"), name=name)
     return Model(layers=layers, embeddings=embeddings,

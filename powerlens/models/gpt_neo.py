@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dynamics.params import LayerConfig, make_layers
-from .base import Model, ModelInfo, register
-from .gpt2 import Stack, to_device, activation, lm_head, require, tokenizer_folder
+from .base import Model, register
+from .gpt2 import Stack, activation, pre_ln_decoder, require
 from .reader import CheckpointError
 
 
@@ -91,17 +90,5 @@ def convert_gpt_neo(config: dict, reader, dtype, name: str) -> Model:
             raise CheckpointError(f"{src}: unexpected tensor h.0.attn.attention.{w}_proj.bias "
                                   f"(GPT-Neo's q/k/v projections have no bias)")
 
-    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="layernorm", norm_eps=eps,
-                      norm_placement="pre", ffn_activation=act, family="gpt_neo")
-    arrays = st.finish()
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
-                         scale=1.0, window=window, config=cfg, **arrays)
-    embeddings = {"word": to_device(reader.get("wte.weight", (V, d))),
-                  "position": to_device(reader.get("wpe.weight", (P, d)))}
-    info = ModelInfo(family="gpt_neo", source=src, tokenizer=tokenizer_folder(src), max_positions=P, decoder=True,
-                     final_norm_in_hidden_states=True, pad_token_id=config.get("pad_token_id"),
-                     bos_token_id=config.get("bos_token_id"), name=name)
-    return Model(layers=layers, embeddings=embeddings,
-                 final_norm_scale=to_device(reader.get("ln_f.weight", (d,))),
-                 final_norm_bias=to_device(reader.get("ln_f.bias", (d,))),
-                 lm_head=lm_head(config, reader, (V, d), src), info=info)
+    return pre_ln_decoder("gpt_neo", config, reader, st, d=d, H=H, e=e, eps=eps, act=act, V=V, P=P,
+                          scale=1.0, window=window, src=src, name=name)

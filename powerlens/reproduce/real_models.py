@@ -10,7 +10,7 @@ packages), plus any of the paper's models found in the local Hugging Face cache.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import jax
 import numpy as np
@@ -245,7 +245,7 @@ def section_ffn(ctx) -> SectionResult:
         entry = ctx.store.cached(f"s8_{name}", compute)
         L = len(entry["paper"]["gamma"])
         figs.append(plots.plot_curve(np.arange(1, L + 1), {
-            f"paper (N2, no FFN)": np.array(entry["paper"]["gamma"], float),
+            "paper (N2, no FFN)": np.array(entry["paper"]["gamma"], float),
             f"{entry['faithful']['rule']} (no FFN)": np.array(entry["faithful"]["gamma"], float),
             "full block (FFN)": np.array(entry["full"]["gamma"], float),
             "chance": np.array(entry["paper"]["chance"], float)}, ctx.fig(f"s8_{name}.png"),

@@ -10,8 +10,6 @@
 """
 from __future__ import annotations
 
-import os
-from typing import List
 
 import jax
 import numpy as np
@@ -68,7 +66,6 @@ def _sweep_states(systems, n_tokens, seed, *, attention="softmax", cone=0.5):
 def section_dominant_real(ctx) -> SectionResult:
     S = 8 if ctx.quick else 64
     d, n, T = 16, 16, 250
-    rng = np.random.default_rng(ctx.seed + 101)
 
     def chunk(c):
         r = np.random.default_rng(ctx.seed * 1000 + c)

@@ -58,7 +58,7 @@ import numpy as np
 from ..analysis.spectra import Subspaces
 from ..dynamics.layer import attention_output
 from ..dynamics.params import Layers
-from ..dynamics.simulate import check_tokens, simulate_batch
+from ..dynamics.simulate import check_batch, simulate_batch
 from .directions import as_direction
 from .rank1 import choose_w, host_matrices, layer_index
 
@@ -96,7 +96,6 @@ def _principal_ok(F, u, z, alphas, cos_tol, gap_rtol):
     i1, i2 = order[:, 0], order[:, 1]
     g = np.arange(len(alphas))
     lam = ev[g, i1]
-    v = vecs[g, :, i1]
     real = np.abs(lam.imag) <= 1e-12 * (1.0 + np.abs(lam))
     cos_all = np.abs(np.einsum("gdk,d->gk", vecs, u)) / np.maximum(np.linalg.norm(vecs, axis=1), 1e-300)
     cos = cos_all[g, i1]
@@ -156,16 +155,7 @@ def _null_subspaces(layers):
 
 def prepare_tokens(layers: Layers, x0, valid=None):
     """x0 -> (B, n, d) float array in the layers' dtype, valid (B, n) bool (validated)."""
-    x = check_tokens(x0, layers.config.d_model)
-    if x.ndim == 2:
-        x = x[None]
-    if valid is None:
-        valid = np.ones(x.shape[:2], bool)
-    valid = np.asarray(valid, bool).reshape(x.shape[:2]) if np.size(valid) == np.prod(x.shape[:2]) else None
-    if valid is None:
-        raise ValueError(f"valid mask does not match the prompts' shape {x.shape[:2]}")
-    if not valid.any(axis=1).all():
-        raise ValueError("a prompt has no valid token (empty prompt)")
+    x, valid = check_batch(x0, valid, layers.config.d_model)
     return jnp.asarray(x, layers.W_v.dtype), jnp.asarray(valid)
 
 
