@@ -119,25 +119,53 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
               lr_floor: float = 0.05, signed: bool = True):
     """Optimise one direction u (d,) (unit). R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
 
-    ``pm = (p, m)``: when the steered layer is the last step under rule ``paper``, its
-    unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e) (neither depends on
-    W_o); the final tokens are then N2(p + dO m) and dO m is applied in low-rank form,
-    so each optimiser step costs O((d + H e) n r) instead of a layer's forward pass.
+    ``pm`` (see :func:`last_layer_terms`): when the steered layer is the last step under
+    rule ``paper``, its unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e)
+    (neither depends on W_o), with the bases Bp, Bm of the reduced problem; the final tokens are then N2(y), y = p + dO m, and N2 does not change the
+    angle, so cos(y, u) needs only y.u and ||y||^2. For dO = n0 P Q^T, with a = n0 m Q:
+
+        y.u = p.u + a (P^T u),   ||y||^2 = ||p||^2 + 2 a.(p P) + a (P^T P) a^T
+
+    (dO = e^a u w^T is the same with a = e^a (w.m), P = u). No (n, d) array is formed
+    per direction; with ``lowrank`` P and Q live in the reduced coordinates P = Bp P~,
+    Q = Bm Q~, so a step costs O(n r (k_p + k_m)) with k <= B n + K.
 
     Returns a dict of arrays (see :class:`SteeringResult`)."""
     dtype = X.dtype
     w_cf = R @ u
     if w_kind == "value":
         w_cf = w_cf / jnp.linalg.norm(w_cf)
+    reduced = pm is not None and param == "lowrank"
     if pm is not None:
-        p_out, m_mix = pm
+        p_out, m_mix = pm["p"], pm["m"]
+        pu = p_out @ u                                   # (B, n)
+        pp = jnp.sum(p_out * p_out, axis=-1)             # (B, n)
+        if reduced:   # coordinates in span(u, rows of p) (left) and span(rows of m) (right)
+            Bp, Bm = pm["Bp"], pm["Bm"]
+            p_red, m_red, u_red = p_out @ Bp, m_mix @ Bm, Bp.T @ u
 
-        def align_change(change):
-            cos = token_cos(p_out + change, u)
+        def align_cos(yu, yy):
+            cos = yu / jnp.sqrt(yy)
             return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
 
-        ray = lambda log_a: align_change(jnp.exp(log_a) * (m_mix @ w_cf)[..., None] * u)
-        align_params = lambda prm, n0: align_change(_low_rank_change(prm, u, n0, param, m_mix))
+        def along_u(scale, w):
+            """Final cos for the change scale (w.m) u: y.u and ||y||^2 in closed form."""
+            c = scale * (m_mix @ w)                      # (B, n)
+            return align_cos(pu + c, pp + 2.0 * c * pu + c * c)
+
+        def align_lowrank(prm, n0):
+            """y = p + n0 P (Q^T m), P = Bp P~, Q = Bm Q~: y.u and ||y||^2 from (B, n, r) products."""
+            a = n0 * (m_red @ prm["Q"])                  # (B, n, r)
+            P_ = prm["P"]
+            yu = pu + a @ (P_.T @ u_red)
+            yy = pp + 2.0 * jnp.sum(a * (p_red @ P_), axis=-1) + jnp.sum((a @ (P_.T @ P_)) * a, axis=-1)
+            return align_cos(yu, yy)
+
+        ray = lambda log_a: along_u(jnp.exp(log_a), w_cf)
+        if param == "w_alpha":
+            align_params = lambda prm, n0: along_u(jnp.exp(prm["a"]), prm["w"])
+        else:
+            align_params = align_lowrank
     else:
         align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
                                   attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
@@ -163,11 +191,12 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
     if param == "w_alpha":
         params = {"a": jnp.log(n0), "w": w_hat}
     else:
-        d, He = u.shape[0], w_hat.shape[0]
+        u0, w0 = (u_red, Bm.T @ w_hat) if reduced else (u, w_hat)   # same effect on every token
+        d, He = u0.shape[0], w0.shape[0]
         k1, k2 = jax.random.split(key)
         P = 1e-2 * jax.random.normal(k1, (d, rank), dtype) / np.sqrt(d)
         Q = 1e-2 * jax.random.normal(k2, (He, rank), dtype) / np.sqrt(He)
-        params = {"P": P.at[:, 0].set(u), "Q": Q.at[:, 0].set(w_hat)}
+        params = {"P": P.at[:, 0].set(u0), "Q": Q.at[:, 0].set(w0)}
 
     def objective(p, lam):
         N = _delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
@@ -202,10 +231,12 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
     best_N = jnp.where(better, N_last, best_N)
     best_a = jnp.where(better, a_last, best_a)
     found = jnp.isfinite(best_N)
+    if reduced:
+        best_p = {"P": Bp @ best_p["P"], "Q": Bm @ best_p["Q"]}
     delta = _delta(best_p, u, n0, param)
     return {
         "delta_O": jnp.where(found, delta, jnp.nan),
-        "norm": jnp.where(found, jnp.sqrt(best_N) * n0, jnp.nan),
+        "norm": jnp.where(found, jnp.linalg.norm(delta), jnp.nan),
         "alignment": jnp.where(found, best_a, jnp.nan),
         "feasible": found,
         "closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
@@ -272,6 +303,35 @@ class SteeringResult:
                 "norm_ratio": f(self.norm_ratio)}
 
 
+def _row_basis(rows: np.ndarray, extra: Optional[np.ndarray] = None, tol: float = 1e-10) -> np.ndarray:
+    """Orthonormal basis (dim, k) of span(extra, rows) (host SVD)."""
+    M = rows if extra is None else np.concatenate([extra[None], rows])
+    _, sv, Vt = np.linalg.svd(np.asarray(M, np.float64), full_matrices=False)
+    k = max(int(np.sum(sv > tol * sv[0])), 1)
+    return Vt[:k].T
+
+
+def last_layer_terms(layers: Layers, X, valid, layer: int, keep_bias: bool, attention: str, positions=None,
+                     directions=None) -> dict:
+    """p, m of the steered (last, paper-rule) layer and the bases of the reduced problem.
+
+    Only dO m_i (valid tokens i) reaches the output, and only its components in span(u, p_i)
+    can raise |cos(y_i, u)|, so a minimum-norm dO = P Q^T has Q in span(m_i) and P in
+    span(U, p_i) (U: all directions): the optimiser works in those coordinates (at most
+    B n + K columns) and lifts the result back.
+    """
+    from .alpha import _terms_batch
+    p, m = _terms_batch(layers.layer(layer), X, valid, keep_bias, attention, positions)
+    v = np.asarray(valid, bool)
+    dtype = layers.W_v.dtype
+    Bm = _row_basis(np.asarray(m, np.float64)[v])
+    rows_p = np.asarray(p, np.float64)[v]
+    if directions is not None:
+        rows_p = np.concatenate([np.asarray(directions, np.float64), rows_p])
+    Bp = _row_basis(rows_p)
+    return {"p": p, "m": m, "Bp": jnp.asarray(Bp, dtype), "Bm": jnp.asarray(Bm, dtype)}
+
+
 def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: str = "paper",
                     attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None):
     """Tokens entering the first steered step (B, n, d), valid (B, n), and the schedule tail."""
@@ -336,8 +396,7 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
               dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed))
     pm = None
     if rule == "paper" and tail == (l,):
-        from .alpha import _terms_batch
-        pm = _terms_batch(layers.layer(l), X, vb, kb, attention, positions)
+        pm = last_layer_terms(layers, X, vb, l, kb, attention, positions, directions=D)
     if vectorize:
         out = solve_many_jit(layers, X, vb, U, keys, R, positions, pm, **kw)
     else:
