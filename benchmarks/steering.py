@@ -88,14 +88,15 @@ def run(name, args):
     t_api_vec, _ = timed(lambda: optimize_steering(layers, x0, D, **api_kw).norm)
     t_api_loop, _ = timed(lambda: [optimize_steering(layers, x0, D[i], **api_kw).norm for i in range(len(D))])
     norm_loop = np.array([float(r["norm"]) for r in r_loop])
-    same = np.allclose(np.asarray(r_vec["norm"]), norm_loop, rtol=1e-3, equal_nan=True)
+    rel = np.abs(np.asarray(r_vec["norm"]) - norm_loop) / norm_loop
     ratio = np.asarray(r_vec["norm"]) / np.asarray(r_vec["closed_norm"])
     print(f"[{name}] {label}; {len(D)} directions, {args.steps} Adam steps, rank 1, backend "
           f"{jax.default_backend()} ({os.cpu_count()} cpus)")
     print(f"  solve only : vmapped {t_vec:.3f} s | loop {t_loop:.3f} s | ratio {t_loop / t_vec:.1f}x (target >= 8x)")
     print(f"  public API : one optimize_steering call {t_api_vec:.3f} s | one call per direction "
           f"{t_api_loop:.3f} s | ratio {t_api_loop / t_api_vec:.1f}x (target >= 8x)")
-    print(f"  results: vmapped == loop to rtol 1e-3: {same} | feasible {int(np.asarray(r_vec['feasible']).sum())}"
+    print(f"  results: ||dO|| vmapped vs loop, median rel. diff {np.median(rel):.1e}, max {np.max(rel):.1e} "
+          f"(float32 paths) | feasible {int(np.asarray(r_vec['feasible']).sum())}"
           f"/{len(D)} | median ||dO|| gradient / closed form {np.nanmedian(ratio):.3f}")
 
 
