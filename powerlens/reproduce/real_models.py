@@ -173,7 +173,7 @@ def _shared_iterations(model, name, ctx, T, layers_idx):
         sin = np.sqrt(np.maximum(1 - gam[i] ** 2, 0))
         out.append({"model": name, "layer": l, "mu1": s.mu1, "ratio": s.ratio, "complex": s.is_complex,
                     "dim": s.dim, "final_gamma": float(gam[i, -1]), "final_consensus": float(cons[i, -1]),
-                    "measured_rate": fit_rate(sin, 1e-9, 1e-2), "gamma_curve": gam[i].tolist()})
+                    "measured_rate": fit_rate(sin, 1e-6, 1e-2), "gamma_curve": gam[i].tolist()})
     return out
 
 
@@ -208,14 +208,14 @@ def section_shared_real(ctx) -> SectionResult:
                                                  title="Convergence rate of real layers"))
     checks = {"layers with |1+λ1|>1 and a gap (ratio<0.95) converge to S (γ>0.99)":
               bool(all(r["final_gamma"] > 0.99 for r in pred_ok)) if pred_ok else False,
-              "measured rates match |μ2/μ1| within 10%": bool(measurable and np.median(rel) < 0.10)}
+              "every measurable rate matches |1+λ2|/|1+λ1| within 5%": bool(measurable and np.max(rel) < 0.05)}
     table = Table("Per layer", ["model", "layer", "|1+λ1|", "|μ2/μ1|", "complex", "final γ", "measured rate"],
                   [[r["model"], r["layer"], r["mu1"], r["ratio"], r["complex"], r["final_gamma"],
                     r["measured_rate"]] for r in rows])
     summary = (f"{len(conv)} of {len(rows)} real layers, iterated {T} times with the paper rule, bring the tokens into "
                f"their principal subspace (γ > 0.99). Where a rate is measurable ({len(measurable)} layers) it matches "
                f"the predicted |1+λ2|/|1+λ1| with median relative error "
-               f"{(np.median(rel) if rel else float('nan')):.1%}. Layers with a small gap converge too slowly to "
+               f"{(np.median(rel) if rel else float('nan')):.1%} (at most {(np.max(rel) if rel else float('nan')):.1%}). Layers with a small gap converge too slowly to "
                f"finish in {T} steps.")
     numbers = {"steps": T, "checks": checks,
                "per_layer": [{k: v for k, v in r.items() if k != "gamma_curve"} for r in rows]}
