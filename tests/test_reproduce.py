@@ -74,3 +74,31 @@ def test_failing_section_is_reported_and_others_kept(tmp_path, monkeypatch, caps
     html = (tmp_path / "r" / "report.html").read_text()
     assert "boom in the middle" in html and "Good section" in html
     assert "failed" in capsys.readouterr().out
+
+
+def test_models_from_the_cache_and_missing_ones(tmp_path, monkeypatch, capsys):
+    """--models adds a cached hub id to the real-model section; absent ones are named."""
+    from hf_tiny import build
+    root = tmp_path / "hub"
+    snap = root / "models--tiny-org--tiny-bert" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    build("bert", snap, seed=1, vocab_size=30522)
+    import shutil
+    from powerlens.models.load import resolve
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(resolve("minilm"), f), snap / f)            # MiniLM's tokenizer
+    (root / "models--tiny-org--tiny-bert" / "refs").mkdir()
+    (root / "models--tiny-org--tiny-bert" / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    from powerlens.reproduce import real_models
+    monkeypatch.setattr(real_models, "DEFAULT_MODELS", [])      # keep the test small: the cached model only
+    args = argparse.Namespace(models=["tiny-org/tiny-bert", "nobody/absent"], out=str(tmp_path / "r"), quick=True,
+                              seed=0, sections=["layer_varying"])
+    assert reproduce.cmd_reproduce(args) == 0
+    doc = json.loads((tmp_path / "r" / "results.json").read_text())
+    sec = doc["sections"][0]
+    assert sec["numbers"]["models"] == ["tiny-org/tiny-bert"]
+    assert "nobody/absent" in sec["numbers"]["not_found"] and "gpt2" in sec["numbers"]["not_found"]
+    assert "nobody/absent" in sec["summary"]
+    rows = sec["numbers"]["per_model"]["tiny-org/tiny-bert"]["paper"]["shifted"]["steps"]
+    assert len(rows) == 3                                          # 2 layers + the initial state
