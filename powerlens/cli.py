@@ -31,6 +31,11 @@ def _common_dynamics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _download_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-download", action="store_true",
+                   help="fetch a hub id missing from the local Hugging Face cache (needs network; off by default)")
+
+
 def _system_source(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("system (one of --weights or --spectrum)")
     g.add_argument("--weights", metavar="NPZ",
@@ -68,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("spectrum", help="spectra of every layer's F_t = O_t V_t, both orderings")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
+    _download_flag(p)
     _system_source(p)
     p.add_argument("--x64", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -76,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("align", help="gamma_t and rho_t of a pretrained model on your prompts")
     p.add_argument("model", help=MODEL_HELP)
+    _download_flag(p)
     p.add_argument("--text", action="append", help="a prompt (repeat for several)")
     p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     p.add_argument("--rule", choices=["paper", "faithful"], default="paper",
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("steer", help="steer the last layer toward a direction with a rank-1 change")
     p.add_argument("model", nargs="?", help=MODEL_HELP)
+    _download_flag(p)
     p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
     p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
     p.add_argument("--direction", required=True, help="token:WORD, a .npy vector, or random")

@@ -41,7 +41,7 @@ def layers_json(model, spectra) -> list:
 
 def cmd_spectrum_model(args) -> int:
     from ..models import load
-    model = load(args.model)
+    model = load(args.model, allow_download=getattr(args, "allow_download", False))
     spectra = model_spectra(model)
     doc = {"settings": {**settings_of(args), "versions": io.versions()},
            "model": {"family": model.info.family, "source": model.info.source,
@@ -61,7 +61,7 @@ def cmd_align(args) -> int:
     texts = read_prompts(args)
     if (args.shared_layer is None) != (args.steps is None):
         raise ValueError("--shared-layer and --steps go together")
-    model = load(args.model)
+    model = load(args.model, allow_download=getattr(args, "allow_download", False))
     result = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
                          seed=args.seed, progress=not args.quiet)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, **result.to_json(),

@@ -38,7 +38,7 @@ def _system(args):
     from ..models import embed, load
     from .models import read_prompts
     texts = read_prompts(args)
-    model = load(args.model)
+    model = load(args.model, allow_download=getattr(args, "allow_download", False))
     x0, valid = embed(model, texts)
     return model.layers, model, np.asarray(x0), np.asarray(valid), texts
 
