@@ -109,7 +109,8 @@ def _delta_sq(params, param):
     """||dO||_F^2 / n0^2 (lowrank) or ||dO||_F^2 / n0^2 with n0 folded in (w_alpha: e^2a ||w||^2)."""
     if param == "w_alpha":
         return jnp.exp(2 * params["a"]) * jnp.sum(params["w"] ** 2)
-    return jnp.sum((params["P"].T @ params["P"]) * (params["Q"].T @ params["Q"]))
+    P, Q = params["P"], params["Q"]          # trace(P^T P Q^T Q), elementwise (see align_lowrank)
+    return jnp.sum(jnp.sum(P[:, :, None] * P[:, None, :], axis=0) * jnp.sum(Q[:, :, None] * Q[:, None, :], axis=0))
 
 
 def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Tuple[int, ...],
@@ -140,9 +141,14 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
         p_out, m_mix = pm["p"], pm["m"]
         pu = p_out @ u                                   # (B, n)
         pp = jnp.sum(p_out * p_out, axis=-1)             # (B, n)
-        if reduced:   # coordinates in span(u, rows of p) (left) and span(rows of m) (right)
-            Bp, Bm = pm["Bp"], pm["Bm"]
-            p_red, m_red, u_red = p_out @ Bp, m_mix @ Bm, Bp.T @ u
+        if reduced:   # coordinates in span(rows of p, u) (left) and span(rows of m) (right)
+            Bp0, Bm = pm["Bp"], pm["Bm"]
+            c_u = Bp0.T @ u                              # u = Bp0 c_u + q, q orthogonal to every p_i
+            q = u - Bp0 @ c_u
+            nq = jnp.linalg.norm(q)
+            q_hat = jnp.where(nq > 1e-6, q / jnp.where(nq > 1e-6, nq, 1.0), 0.0)
+            p_red = jnp.concatenate([p_out @ Bp0, jnp.zeros(p_out.shape[:-1] + (1,), dtype)], axis=-1)
+            m_red, u_red = m_mix @ Bm, jnp.concatenate([c_u, nq[None]])
 
         def align_cos(yu, yy):
             cos = yu / jnp.sqrt(yy)
@@ -155,10 +161,15 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
 
         def align_lowrank(prm, n0):
             """y = p + n0 P (Q^T m), P = Bp P~, Q = Bm Q~: y.u and ||y||^2 from (B, n, r) products."""
-            a = n0 * (m_red @ prm["Q"])                  # (B, n, r)
+            # the small contractions are written elementwise: under vmap over directions a
+            # batched (K, r, r) dot would become K tiny GEMMs on a CPU
+            a = n0 * (m_red @ prm["Q"])                  # (B, n, r): one GEMM over directions
             P_ = prm["P"]
-            yu = pu + a @ (P_.T @ u_red)
-            yy = pp + 2.0 * jnp.sum(a * (p_red @ P_), axis=-1) + jnp.sum((a @ (P_.T @ P_)) * a, axis=-1)
+            Pu = jnp.sum(P_ * u_red[:, None], axis=0)                      # (r,)
+            G = jnp.sum(P_[:, :, None] * P_[:, None, :], axis=0)           # (r, r) = P^T P
+            yu = pu + jnp.sum(a * Pu, axis=-1)
+            aG = jnp.sum(a[..., :, None] * G, axis=-2)
+            yy = pp + 2.0 * jnp.sum(a * (p_red @ P_), axis=-1) + jnp.sum(aG * a, axis=-1)
             return align_cos(yu, yy)
 
         ray = lambda log_a: along_u(jnp.exp(log_a), w_cf)
@@ -231,12 +242,19 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
     best_N = jnp.where(better, N_last, best_N)
     best_a = jnp.where(better, a_last, best_a)
     found = jnp.isfinite(best_N)
-    if reduced:
-        best_p = {"P": Bp @ best_p["P"], "Q": Bm @ best_p["Q"]}
-    delta = _delta(best_p, u, n0, param)
+    if reduced:   # lift: P = [Bp0, q_hat] P~ (without forming the per-direction basis)
+        Pr = best_p["P"]
+        best_p = {"P": Bp0 @ Pr[:-1] + q_hat[:, None] * Pr[-1:], "Q": Bm @ best_p["Q"]}
+    # dO = factor_P factor_Q^T, returned as factors: the dense (d, H e) matrix of every
+    # direction would dominate the run's memory traffic (SteeringResult.delta_O forms it)
+    if param == "w_alpha":
+        fP, fQ = (jnp.exp(best_p["a"]) * u)[:, None], best_p["w"][:, None]
+    else:
+        fP, fQ = n0 * best_p["P"], best_p["Q"]
+    norm = jnp.sqrt(jnp.sum((fP.T @ fP) * (fQ.T @ fQ)))
     return {
-        "delta_O": jnp.where(found, delta, jnp.nan),
-        "norm": jnp.where(found, jnp.linalg.norm(delta), jnp.nan),
+        "factor_P": jnp.where(found, fP, jnp.nan), "factor_Q": jnp.where(found, fQ, jnp.nan),
+        "norm": jnp.where(found, norm, jnp.nan),
         "alignment": jnp.where(found, best_a, jnp.nan),
         "feasible": found,
         "closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
@@ -259,18 +277,47 @@ def solve_many(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
 solve_many_jit = jax.jit(solve_many, static_argnames=_STATIC)
 
 
+def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
+    """:func:`solve_many` with the directions split evenly over all devices (``shard_map``);
+    falls back to :func:`solve_many_jit` on one device or when K does not divide."""
+    ndev = jax.device_count()
+    if ndev == 1 or U.shape[0] % ndev:
+        return solve_many_jit(layers, X, valid, U, keys, R, positions, pm, **static)
+    run, mesh = _sharded_solver(ndev, tuple(sorted(static.items())))
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    U, keys = jax.device_put((U, keys), NamedSharding(mesh, P("directions")))
+    return run(layers, X, valid, U, keys, R, positions, pm)
+
+
+@functools.lru_cache(maxsize=16)
+def _sharded_solver(ndev: int, static_items):
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:ndev]), ("directions",))
+    static = dict(static_items)
+
+    def local(layers, X, valid, U, keys, R, positions, pm):
+        return solve_many(layers, X, valid, U, keys, R, positions, pm, **static)
+
+    rep = P()
+    f = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, P("directions"), P("directions"), rep, rep, rep),
+                      out_specs=P("directions"), check_vma=False)
+    return jax.jit(f), mesh
+
+
 # ------------------------------------------------------------------ public API
 
 @dataclasses.dataclass
 class SteeringResult:
     """Gradient steering of K directions (leading axis K on every array).
 
-    delta_O (K, d, H e), norm (K,) = ||delta_O||_F, alignment (K,) reached (reduce over
-    valid final tokens), feasible (K,) bool; the closed form at the same target:
-    closed_alpha, closed_w (K, H e), closed_norm, closed_alignment; histories (K, steps)."""
+    delta_O (K, d, H e) = factor_P factor_Q^T (factors (K, d, r), (K, H e, r)),
+    norm (K,) = ||delta_O||_F, alignment (K,) reached (reduce over valid final tokens),
+    feasible (K,) bool; the closed form at the same target: closed_alpha, closed_w
+    (K, H e), closed_norm, closed_alignment; histories (K, steps)."""
 
     directions: np.ndarray
-    delta_O: np.ndarray
+    factor_P: np.ndarray
+    factor_Q: np.ndarray
     norm: np.ndarray
     alignment: np.ndarray
     feasible: np.ndarray
@@ -288,6 +335,12 @@ class SteeringResult:
     rank: int
     layer: int
     rule: str
+
+    @property
+    def delta_O(self) -> np.ndarray:
+        """The dense changes (K, d, H e) (formed on the host, in float64)."""
+        return np.einsum("kdr,ker->kde", np.asarray(self.factor_P, np.float64),
+                         np.asarray(self.factor_Q, np.float64))
 
     @property
     def norm_ratio(self) -> np.ndarray:
@@ -311,24 +364,21 @@ def _row_basis(rows: np.ndarray, extra: Optional[np.ndarray] = None, tol: float 
     return Vt[:k].T
 
 
-def last_layer_terms(layers: Layers, X, valid, layer: int, keep_bias: bool, attention: str, positions=None,
-                     directions=None) -> dict:
+def last_layer_terms(layers: Layers, X, valid, layer: int, keep_bias: bool, attention: str,
+                     positions=None) -> dict:
     """p, m of the steered (last, paper-rule) layer and the bases of the reduced problem.
 
     Only dO m_i (valid tokens i) reaches the output, and only its components in span(u, p_i)
     can raise |cos(y_i, u)|, so a minimum-norm dO = P Q^T has Q in span(m_i) and P in
-    span(U, p_i) (U: all directions): the optimiser works in those coordinates (at most
-    B n + K columns) and lifts the result back.
+    span(p_i, u): the optimiser works in those coordinates (at most B n + 1 columns; the
+    direction's own column is added per direction) and lifts the result back.
     """
     from .alpha import _terms_batch
     p, m = _terms_batch(layers.layer(layer), X, valid, keep_bias, attention, positions)
     v = np.asarray(valid, bool)
     dtype = layers.W_v.dtype
     Bm = _row_basis(np.asarray(m, np.float64)[v])
-    rows_p = np.asarray(p, np.float64)[v]
-    if directions is not None:
-        rows_p = np.concatenate([np.asarray(directions, np.float64), rows_p])
-    Bp = _row_basis(rows_p)
+    Bp = _row_basis(np.asarray(p, np.float64)[v])
     return {"p": p, "m": m, "Bp": jnp.asarray(Bp, dtype), "Bm": jnp.asarray(Bm, dtype)}
 
 
@@ -396,9 +446,9 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
               dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed))
     pm = None
     if rule == "paper" and tail == (l,):
-        pm = last_layer_terms(layers, X, vb, l, kb, attention, positions, directions=D)
+        pm = last_layer_terms(layers, X, vb, l, kb, attention, positions)
     if vectorize:
-        out = solve_many_jit(layers, X, vb, U, keys, R, positions, pm, **kw)
+        out = solve_many_sharded(layers, X, vb, U, keys, R, positions, pm, **kw)
     else:
         outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, pm, **kw) for i in range(len(D))]
         out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
