@@ -25,11 +25,10 @@ import argparse
 import json
 import os
 
-import jax.numpy as jnp
 import numpy as np
 
 from powerlens.analysis import plots
-from powerlens.analysis.spectra import Subspaces
+from powerlens.analysis.spectra import null_subspaces
 from powerlens.dynamics.simulate import simulate_batch
 from powerlens.models import embed, load
 from powerlens.steering import alignment_alpha, entering_states, output_effects, parse_direction, rank1
@@ -39,8 +38,7 @@ DEFAULT_TEXTS = ["My favourite city is", "The weather today is", "For dinner we 
 
 def paper_final_cos(layers, x0, valid, u):
     """cos(x_i, u) of every valid token after all layers of the `paper` dynamics (flat)."""
-    null = Subspaces(basis=jnp.zeros((layers.n_unique, 1, layers.config.d_model, 1), layers.W_v.dtype),
-                     dim=jnp.zeros((layers.n_unique, 1), jnp.int32))
+    null = null_subspaces(layers)
     Y = np.asarray(simulate_batch(layers, x0, null, valid=valid, rule="paper").final, np.float64)
     return ((Y @ u) / np.linalg.norm(Y, axis=-1))[np.asarray(valid)]
 

@@ -201,6 +201,14 @@ class Subspaces:
     dim: jax.Array
 
 
+def null_subspaces(layers) -> Subspaces:
+    """Empty reference subspaces (every measure NaN) for ``layers`` (or a Model): for runs that
+    only need states."""
+    layers = getattr(layers, "layers", layers)
+    U, d = layers.n_unique, layers.config.d_model
+    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
+
+
 def reference_subspaces(spectra: List[LayerSpectrum], *, order: str = "shifted", seed: int = 0,
                         dtype=jnp.float32) -> Subspaces:
     """Principal, random-control and other-layer-control subspaces for every layer.

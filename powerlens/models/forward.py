@@ -13,19 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ..analysis.spectra import Subspaces
+from ..analysis.spectra import null_subspaces  # noqa: F401  (re-exported)
 from ..dynamics.attention import check_attention
 from ..dynamics.layer import check_rule, layer_step
 from ..dynamics.norms import apply_norm
 from ..dynamics.simulate import check_batch
 from .base import Model
-
-
-def null_subspaces(model_or_layers) -> Subspaces:
-    """Empty reference subspaces (all measures NaN): for runs that only need states."""
-    layers = getattr(model_or_layers, "layers", model_or_layers)
-    U, d = layers.n_unique, layers.config.d_model
-    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
 
 
 def final_norm(model: Model, h):

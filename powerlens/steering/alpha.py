@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..analysis.spectra import Subspaces
+from ..analysis.spectra import null_subspaces
 from ..dynamics.layer import attention_output
 from ..dynamics.params import Layers
 from ..dynamics.simulate import check_batch, simulate_batch
@@ -148,11 +148,6 @@ def steered_steps(layers: Layers, layer: int) -> Tuple[int, ...]:
     return steps
 
 
-def _null_subspaces(layers):
-    U, d = layers.n_unique, layers.config.d_model
-    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
-
-
 def prepare_tokens(layers: Layers, x0, valid=None):
     """x0 -> (B, n, d) float array in the layers' dtype, valid (B, n) bool (validated)."""
     x, valid = check_batch(x0, valid, layers.config.d_model)
@@ -169,7 +164,7 @@ def entering_states(layers: Layers, x0, valid=None, *, layer: int = -1, rule: st
     if t == 0:
         return X, valid
     head = layers.with_schedule(layers.schedule[:t])
-    traj = simulate_batch(head, X, _null_subspaces(head), valid=valid, rule=rule, attention=attention,
+    traj = simulate_batch(head, X, null_subspaces(head), valid=valid, rule=rule, attention=attention,
                           keep_bias=keep_bias, positions=positions)
     return traj.final, valid
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..analysis.spectra import Subspaces
+from ..analysis.spectra import null_subspaces
 from ..dynamics.simulate import simulate_batch
 from .directions import as_direction
 from .rank1 import layer_index, steer_layers
@@ -51,16 +51,11 @@ def steered_model(model, delta_O, layer: int = -1):
     return model.replace(layers=steer_layers(model.layers, delta_O, layer))
 
 
-def _null(layers):
-    U, d = layers.n_unique, layers.config.d_model
-    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
-
-
 def _run(layers, schedule, X, valid, rule="full"):
     if not schedule:
         return X
     sub = layers.with_schedule(schedule)
-    return simulate_batch(sub, X, _null(sub), valid=valid, rule=rule).final
+    return simulate_batch(sub, X, null_subspaces(sub), valid=valid, rule=rule).final
 
 
 def paper_alignment(layers, x0, valid, u) -> dict:
