@@ -45,11 +45,8 @@ def _system(args):
 
 def _final_cos(layers, x0, valid, u):
     """Sign-free alignment |cos(x_i, u)| of every valid final token under the paper rule (flat array)."""
-    from ..steering.effects import _run
-    import jax.numpy as jnp
-    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
-    cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
-    return np.abs(cos[np.asarray(valid, bool)])
+    from ..steering.effects import final_cos
+    return np.abs(final_cos(layers, x0, valid, u))
 
 
 def _topk_bars(model, delta, layer, x0, valid, target_id, k: int = 6):

@@ -58,14 +58,19 @@ def _run(layers, schedule, X, valid, rule="full"):
     return simulate_batch(sub, X, null_subspaces(sub), valid=valid, rule=rule).final
 
 
+def final_cos(layers, x0, valid, u) -> np.ndarray:
+    """cos(y_i, u) of every valid final token of the ``paper`` dynamics (flat array)."""
+    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
+    cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
+    return cos[np.asarray(valid, bool)]
+
+
 def paper_alignment(layers, x0, valid, u) -> dict:
     """cos(y_i, u) of the final tokens of the ``paper`` dynamics (the rule the closed form and
-    the optimiser target): mean and min over valid tokens."""
-    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
-    v = np.asarray(valid, bool)
-    cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
-    a = np.abs(cos[v])
-    return {"mean": float(cos[v].mean()), "min": float(cos[v].min()), "abs_mean": float(a.mean()),
+    the optimiser target): mean and min over valid tokens, signed and sign-free."""
+    cos = final_cos(layers, x0, valid, u)
+    a = np.abs(cos)
+    return {"mean": float(cos.mean()), "min": float(cos.min()), "abs_mean": float(a.mean()),
             "abs_min": float(a.min())}
 
 
