@@ -36,6 +36,11 @@ def _download_flag(p: argparse.ArgumentParser) -> None:
                    help="fetch a hub id missing from the local Hugging Face cache (needs network; off by default)")
 
 
+def _prompt_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
+
+
 def _system_source(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("system (one of --weights or --spectrum)")
     g.add_argument("--weights", metavar="NPZ",
@@ -83,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("align", help="gamma_t and rho_t of a pretrained model on your prompts")
     p.add_argument("model", help=MODEL_HELP)
     _download_flag(p)
-    p.add_argument("--text", action="append", help="a prompt (repeat for several)")
-    p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
+    _prompt_options(p)
     p.add_argument("--rule", choices=["paper", "faithful"], default="paper",
                    help="paper: x<-N2(x+Attn x); faithful: the model's own norm placement (post_ln or pre_ln)")
     p.add_argument("--shared-layer", type=int, default=None, help="iterate this layer as a shared-weight system")
@@ -108,8 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient-based steering (optax): min ||dO||_F subject to the target alignment")
     p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
     p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
-    p.add_argument("--text", action="append", help="a prompt (repeat for several)")
-    p.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
+    _prompt_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of a random direction and of the optimiser")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.set_defaults(func=_steer)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dynamics.layer import faithful_rule
 from ..dynamics.params import layer_matrices
-from .experiment import run_system
+from .experiment import column, run_system
 from .spectra import ORDERS, LayerSpectrum, layer_spectra
 
 
@@ -72,7 +72,7 @@ class AlignResult:
 
     def plot(self, folder: str, *, title: Optional[str] = None, prefix: str = "") -> List[str]:
         from . import plots
-        col = lambda o, k: np.array([np.nan if r[k] is None else r[k] for r in self.rows[o][1:]], float)
+        col = lambda o, k: column(self.rows[o], k)
         t = np.array([r["t"] for r in self.rows["shifted"][1:]])
         label = "layer t" if self.mode == "layers" else "step t"
         path = os.path.join(folder, f"{prefix}alignment.png")

@@ -75,6 +75,11 @@ def _num(v):
     return f if np.isfinite(f) else None
 
 
+def column(rows: List[dict], key: str, *, skip_initial: bool = True) -> np.ndarray:
+    """One field of :meth:`RunResult.rows` as a float array (None -> NaN), by default for t >= 1."""
+    return np.array([np.nan if r[key] is None else r[key] for r in (rows[1:] if skip_initial else rows)], float)
+
+
 def rows_csv(rows: List[dict]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import io
 from ..analysis import plots
-from ..analysis.experiment import rows_csv, run_system
+from ..analysis.experiment import column, rows_csv, run_system
 from ..analysis.spectra import layer_spectra, spectra_json
 from ..dynamics.params import layer_matrices
 from .system import build_system, initial_tokens
@@ -22,7 +22,7 @@ def write_run_figures(stage: str, res, *, title: str = "") -> list:
     """eigenvalues.png, alignment.png, consensus.png and trajectories.png of a run."""
     rows = res.rows()
     t = np.array([r["t"] for r in rows[1:]])
-    col = lambda k: np.array([np.nan if r[k] is None else r[k] for r in rows[1:]], float)
+    col = lambda k: column(rows, k)
     files = [plots.plot_eigenvalues(res.spectra, os.path.join(stage, "eigenvalues.png"), title=title or None)]
     files.append(plots.plot_alignment(
         t, {res.order: col("gamma")}, {res.order: col("rho")}, os.path.join(stage, "alignment.png"),
@@ -30,11 +30,10 @@ def write_run_figures(stage: str, res, *, title: str = "") -> list:
         gamma_controls={"random subspace": col("gamma_random"), "other layer": col("gamma_other_layer")},
         rho_controls={"random subspace": col("rho_random"), "other layer": col("rho_other_layer")},
         xlabel="step t", title=title or None))
-    allrows = res.rows()
+    every = lambda k: column(rows, k, skip_initial=False)
     files.append(plots.plot_consensus(
-        np.array([r["consensus"] for r in allrows], float), os.path.join(stage, "consensus.png"),
-        rank_collapse=np.array([r["rank_collapse"] for r in allrows], float),
-        pairwise_cos=np.array([r["pairwise_cos"] for r in allrows], float), title=title or None))
+        every("consensus"), os.path.join(stage, "consensus.png"), rank_collapse=every("rank_collapse"),
+        pairwise_cos=every("pairwise_cos"), title=title or None))
     if res.states is not None:
         u = res.schedule[-1]
         plane = res.spectra[u].get(res.order).plane

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
+from ..analysis.experiment import column
 from .section import SectionResult, Table, verdict_from
 
 DEFAULT_MODELS = ["minilm", "smollm2"]
@@ -65,10 +66,6 @@ def _spectra(name: str):
     return model_spectra(_load(name))
 
 
-def _col(rows, key):
-    return np.array([np.nan if r[key] is None else r[key] for r in rows[1:]], float)
-
-
 # --------------------------------------------------------------------------- section 5
 
 def section_layer_varying(ctx) -> SectionResult:
@@ -92,12 +89,12 @@ def section_layer_varying(ctx) -> SectionResult:
             rows = {o: e[o]["steps"] for o in ("shifted", "plain")}
             t = np.arange(1, len(rows["shifted"]))
             figs.append(plots.plot_alignment(
-                t, {o: _col(rows[o], "gamma") for o in rows}, {o: _col(rows[o], "rho") for o in rows},
+                t, {o: column(rows[o], "gamma") for o in rows}, {o: column(rows[o], "rho") for o in rows},
                 ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"),
-                chance=_col(rows["shifted"], "chance_gamma"), chance_band=_col(rows["shifted"], "chance_band"),
-                gamma_controls={"random subspace": _col(rows["shifted"], "gamma_random")},
-                rho_controls={"random subspace": _col(rows["shifted"], "rho_random"),
-                              "other layer": _col(rows["shifted"], "rho_other_layer")},
+                chance=column(rows["shifted"], "chance_gamma"), chance_band=column(rows["shifted"], "chance_band"),
+                gamma_controls={"random subspace": column(rows["shifted"], "gamma_random")},
+                rho_controls={"random subspace": column(rows["shifted"], "rho_random"),
+                              "other layer": column(rows["shifted"], "rho_other_layer")},
                 xlabel="layer t", title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"))
     if not per_model:
         return SectionResult("layer_varying", "5. Layer-varying real models", "", "skipped",
