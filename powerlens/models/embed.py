@@ -23,7 +23,7 @@ from .reader import CheckpointError
 @functools.lru_cache(maxsize=8)
 def _tokenizer_for(path: str):
     if path.endswith(".gguf"):
-        from .gguf_llama import gguf_tokenizer
+        from .gguf_tokenizer import gguf_tokenizer
         return gguf_tokenizer(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,311 @@
+"""The tokenizer a GGUF file describes, built with ``tokenizers`` from the file's own metadata.
+
+A GGUF file has no ``tokenizer.json``: it stores the vocabulary and how to use it under
+llama.cpp's keys. This module reads them once (:func:`tokenizer_spec`, from the already
+parsed file) and builds a ``tokenizers.Tokenizer`` wrapped as a
+``transformers.PreTrainedTokenizerFast`` (:func:`build_tokenizer`) -- no torch, no second
+parse of the file. The construction is the one transformers' own GGUF integration makes
+(the test suite checks the ids and the decoding against it on a few hundred strings).
+
+Keys read (``tokenizer.ggml.*``)::
+
+    model            "gpt2"  byte-level BPE with merges (SmolLM2, Llama 3, Qwen, ...)
+                     "llama" SentencePiece-style BPE: the "▁" space marker, byte fallback
+                             (<0xXX> tokens), merges from the file or, when it has none,
+                             recovered from the vocabulary ordered by the scores
+    pre              pre-tokenizer name: picks the split regex of byte-level BPE
+    tokens           the vocabulary, in id order
+    scores           SentencePiece scores (only used to recover merges)
+    token_type       1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte:
+                     control tokens become special tokens, user-defined ones added tokens,
+                     so that both are matched whole in the text
+    merges           "left right" pairs, best first
+    bos/eos/unknown/padding_token_id, add_bos_token, add_eos_token, add_space_prefix
+
+Gemma files (architecture ``gemma*`` with model ``llama``) spell runs of spaces with real
+spaces, list no merges, and order their merges by position rather than by score; they get
+the Gemma variant (:func:`_gemma_backend`). Any other tokenizer model is a CheckpointError
+naming the model and the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .reader import CheckpointError
+
+TOKENIZER_MODELS = ("gpt2", "llama")
+CONTROL, USER_DEFINED = 3, 4
+
+# byte-level BPE: the split regex of each ``tokenizer.ggml.pre`` value that is not GPT-2's own
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """What a GGUF file says about its tokenizer (plain Python data, read once)."""
+
+    path: str
+    architecture: str
+    model: str
+    pre: Optional[str]
+    tokens: Tuple[str, ...]
+    scores: Optional[Tuple[float, ...]]
+    token_type: Optional[Tuple[int, ...]]
+    merges: Optional[Tuple[str, ...]]
+    special_ids: Dict[str, Optional[int]]        # bos/eos/unk/pad -> id
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: Optional[bool]
+
+    def token(self, key: str) -> Optional[str]:
+        i = self.special_ids.get(key)
+        if i is None:
+            return None
+        if not 0 <= i < len(self.tokens):
+            raise CheckpointError(f"{self.path}: tokenizer.ggml.{_ID_KEYS[key]}={i} is outside the "
+                                  f"vocabulary of {len(self.tokens)} tokens")
+        return self.tokens[i]
+
+
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+
+
+def tokenizer_spec(gguf) -> TokenizerSpec:
+    """Read the tokenizer keys of a parsed GGUF file (``GGUFFile``: ``.path``, ``.meta(key)``)."""
+    meta = lambda key, default=None: gguf.meta(f"tokenizer.ggml.{key}", default)
+    path = gguf.path
+    model = meta("model")
+    if model is None:
+        raise CheckpointError(f"{path}: the GGUF file has no tokenizer (key tokenizer.ggml.model is missing); "
+                              f"pass token ids instead of text")
+    if model not in TOKENIZER_MODELS:
+        raise CheckpointError(f"{path}: unsupported GGUF tokenizer model tokenizer.ggml.model={model!r} "
+                              f"(supported: {', '.join(TOKENIZER_MODELS)})")
+    tokens = meta("tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens is missing or not a list of strings")
+    opt = lambda key, kind: None if meta(key) is None else tuple(kind(v) for v in meta(key))
+    spec = TokenizerSpec(
+        path=path, architecture=str(gguf.meta("general.architecture", "")), model=model, pre=meta("pre"),
+        tokens=tuple(tokens), scores=opt("scores", float), token_type=opt("token_type", int),
+        merges=opt("merges", str),
+        special_ids={k: (None if meta(v) is None else int(meta(v))) for k, v in _ID_KEYS.items()},
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+        add_bos=bool(meta("add_bos_token", model == "llama")), add_eos=bool(meta("add_eos_token", False)),
+        add_space_prefix=meta("add_space_prefix"))
+    for name in ("scores", "token_type"):
+        v = getattr(spec, name)
+        if v is not None and len(v) != len(spec.tokens):
+            raise CheckpointError(f"{path}: tokenizer.ggml.{name} has {len(v)} entries for "
+                                  f"{len(spec.tokens)} tokens")
+    for key in _ID_KEYS:
+        spec.token(key)                      # validates the ids
+    return spec
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> Dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (``bytes_to_unicode``)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _merge_pairs(spec: TokenizerSpec) -> List[Tuple[str, str]]:
+    out = [tuple(m.split(" ", 1)) for m in spec.merges]
+    for i, pair in enumerate(out):
+        if len(pair) != 2 or not pair[0] or not pair[1]:
+            raise CheckpointError(f"{spec.path}: tokenizer.ggml.merges[{i}]={spec.merges[i]!r} "
+                                  f"is not a 'left right' pair")
+    return out
+
+
+def _recovered_merges(vocab: Dict[str, int], order: Dict[str, float]) -> List[Tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best (highest ``order``) token first; ties by the lengths of the parts."""
+    merges = []
+    for piece, score in order.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _byte_level_backend(spec: TokenizerSpec):
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    spelled = re.compile("[" + re.escape("".join(sorted(letters))) + "]*").fullmatch
+    # a token already written in the byte alphabet is kept; any other is respelled byte by byte
+    vocab = {(t if spelled(t) else "".join(alphabet[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(spec.tokens)}
+    merges = _merge_pairs(spec) if spec.merges is not None else []
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                        end_of_word_suffix="", fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(spec.pre)
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok, letters
+
+
+def _sentencepiece_backend(spec: TokenizerSpec):
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    vocab = {t: i for i, t in enumerate(spec.tokens)}
+    if spec.merges is not None:
+        merges = _merge_pairs(spec)
+    elif spec.scores is not None:
+        merges = _recovered_merges(vocab, dict(zip(spec.tokens, spec.scores)))
+    else:
+        raise CheckpointError(f"{spec.path}: a 'llama' tokenizer needs tokenizer.ggml.merges or .scores")
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    prefix = spec.add_space_prefix is not False             # llama.cpp's default is to add it
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok, None
+
+
+def _gemma_backend(spec: TokenizerSpec):
+    """Gemma: runs of spaces are stored as spaces (respelled "▁"), merges ordered by position."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in spec.tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if spec.merges is not None:
+        merges = _merge_pairs(spec)
+    else:
+        merges = _recovered_merges(vocab, {t: -i for i, t in enumerate(tokens)})
+    unk = spec.token("unk") or "<unk>"
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, dropout=None, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    return tok, None
+
+
+def _backend(spec: TokenizerSpec):
+    if spec.model == "gpt2":
+        return _byte_level_backend(spec)
+    if spec.architecture.startswith("gemma"):
+        return _gemma_backend(spec)
+    return _sentencepiece_backend(spec)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_class():
+    """``PreTrainedTokenizerFast`` that adopts a backend without the deep copy that
+    ``tokenizer_object=`` makes (a quarter of a second for a 50k vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
+
+    class GGUFTokenizer(PreTrainedTokenizerFast):
+        def __init__(self, backend=None, **kwargs):
+            if backend is not None:
+                self._tokenizer = backend
+            super().__init__(**kwargs)
+
+    return GGUFTokenizer
+
+
+def build_tokenizer(spec: TokenizerSpec):
+    """A ``transformers.PreTrainedTokenizerFast`` (no torch needed) from a :class:`TokenizerSpec`.
+
+    ``tok(text)["input_ids"]`` adds BOS/EOS as the file's ``add_bos_token``/``add_eos_token`` say;
+    control tokens are special (kept whole, dropped by ``decode(ids, skip_special_tokens=True)``).
+    """
+    from tokenizers import AddedToken
+
+    backend, letters = _backend(spec)
+    types = spec.token_type or ()
+    # in a byte-level vocabulary a control token outside the byte alphabet is a llama.cpp mislabel
+    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(spec.tokens, types)
+               if k == CONTROL and (letters is None or set(t) <= letters)]
+    names = {k: spec.token(k) for k in _ID_KEYS}
+    tok = _tokenizer_class()(
+        backend, bos_token=names["bos"], eos_token=names["eos"], unk_token=names["unk"],
+        pad_token=names["pad"], add_bos_token=spec.add_bos, add_eos_token=spec.add_eos,
+        clean_up_tokenization_spaces=False, name_or_path=spec.path)
+    if control:
+        tok.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
+    vocab = tok.get_vocab()
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(spec.tokens, types)
+            if k == USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+# specs read while loading a model, so that its tokenizer never parses the file again
+_SPECS: Dict[Tuple[str, int, int], object] = {}
+
+
+def _file_key(path: str):
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_mtime_ns, st.st_size
+
+
+def remember_tokenizer(gguf) -> bool:
+    """Read and keep the tokenizer spec of a GGUF file being loaded (or the CheckpointError that
+    reading it raised, to be raised when the tokenizer is asked for), so that
+    :func:`gguf_tokenizer` never parses the file again. False when the file has no tokenizer."""
+    if gguf.meta("tokenizer.ggml.model") is None:
+        return False
+    try:
+        spec = tokenizer_spec(gguf)
+    except CheckpointError as exc:
+        spec = exc
+    if len(_SPECS) >= 8:
+        _SPECS.pop(next(iter(_SPECS)))
+    _SPECS[_file_key(gguf.path)] = spec
+    return True
+
+
+def gguf_tokenizer(path: str, gguf=None):
+    """The tokenizer stored in the GGUF file ``path``.
+
+    Uses the spec remembered when the model was loaded from that (unchanged) file; else reads
+    it from ``gguf`` (a parsed ``GGUFFile``) or, failing both, parses the file.
+    """
+    spec = _SPECS.get(_file_key(path))
+    if spec is None:
+        if gguf is None:
+            from .gguf_llama import GGUFFile
+            gguf = GGUFFile(path)
+        spec = tokenizer_spec(gguf)
+    if isinstance(spec, CheckpointError):
+        raise spec
+    try:
+        return build_tokenizer(spec)
+    except CheckpointError:
+        raise
+    except Exception as exc:   # tokenizers raises plain Exceptions on an inconsistent vocabulary
+        raise CheckpointError(f"{path}: cannot build the tokenizer from the GGUF metadata "
+                              f"({type(exc).__name__}: {exc})") from exc
+
