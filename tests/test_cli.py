@@ -37,7 +37,9 @@ def test_simulate_writes_documented_files(uniform_run):
     files = set(os.listdir(uniform_run))
     assert {"metrics.json", "metrics.csv", "states.npy", "eigenvalues.png", "alignment.png", "consensus.png",
             "trajectories.png"} <= files
-    assert not any(f.startswith(".") for f in files)
+    from powerlens.io import MARKER
+    assert MARKER in files                                   # marks the folder as powerlens's own
+    assert not any(f.startswith(".") for f in files - {MARKER})   # no temporary file left behind
     m = read_metrics(uniform_run)
     assert m["settings"]["versions"]["jax"]
     assert m["settings"]["attention"] == "uniform"
