@@ -12,7 +12,7 @@ consensus, rank-collapse residual, pairwise cosine); float32.
    steps: ~1.8x less CPU time than one vmap over all 256 on a 2-core machine). The summary
    line uses the faster of the two. Wall and CPU (process) time are both printed: on a
    shared machine the CPU-time ratio is the steadier number.
-2. NumPy: the same maths, ``reference_numpy.simulate_fast`` (vectorised within a step, a
+2. NumPy: the same maths, ``benchmarks/numpy_baseline.py`` (vectorised within a step, a
    Python loop over steps and systems), float32, on a subset of the systems and
    extrapolated linearly to S (stated in the output).
 
@@ -51,13 +51,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
-from powerlens.analysis.spectra import Subspaces, layer_spectra, reference_subspaces  # noqa: E402
-from powerlens.dynamics import reference_numpy as R  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.dynamics.simulate import simulate  # noqa: E402
-from powerlens.dynamics.synthetic import sphere_tokens, synthetic_system  # noqa: E402
+import numpy_baseline as NB  # noqa: E402
+from powerlens import (Subspaces, layer_matrices, layer_spectra, reference_subspaces, simulate,  # noqa: E402
+                       sphere_tokens, synthetic_system)
 
 
 def build(S, d, heads, n, T, seed=0):
@@ -171,29 +171,27 @@ def main(argv=None):
 
     # NumPy loop over a subset, extrapolated
     sub_n = min(args.numpy_subset, S)
-    params = [R.layer_dicts(s, dtype=np.float32)[0] for s in systems[:sub_n]]
-    basis, dims = np.asarray(subs.basis), np.asarray(subs.dim)
+    params = [NB.layer_arrays(s, dtype=np.float32) for s in systems[:sub_n]]
+    basis, dims = np.asarray(subs.basis)[:, 0], np.asarray(subs.dim)[:, 0]      # the one unique layer
     X0n = np.asarray(X0)
     t0, c0 = time.perf_counter(), time.process_time()
-    refs = [R.simulate_fast([params[i]], [0] * T, X0n[i], basis[i], dims[i], attention="softmax",
-                            dtype=np.float32) for i in range(sub_n)]
+    refs = [NB.simulate(params[i], X0n[i], basis[i], dims[i], T, dtype=np.float32) for i in range(sub_n)]
     t_np_sub, c_np_sub = time.perf_counter() - t0, time.process_time() - c0
     t_np, c_np = t_np_sub * S / sub_n, c_np_sub * S / sub_n
     note = "" if sub_n == S else f" (timed {sub_n} systems: {t_np_sub:.2f} s, extrapolated linearly to {S})"
     print(f"numpy loop: {t_np:.2f} s wall, {c_np:.2f} s CPU{note}")
-    # the loop-level reference (explicit loops over heads/tokens), 1 system, 20 steps, for scale
-    t0 = time.perf_counter()
-    R.simulate([params[0]], [0] * 20, X0n[0], basis[0], dims[0], attention="softmax")
-    t_loop = (time.perf_counter() - t0) * (T / 20) * S
-    print(f"numpy loop-level reference (R.simulate): ~{t_loop:.0f} s for the sweep "
-          f"(timed 1 system x 20 steps, extrapolated)")
     # same maths: compare the measures of the timed systems (float32 rounding differences grow
     # along the 200 steps, so the tight check is on the first 10)
     err10 = max(np.nanmax(np.abs(np.asarray(traj.gamma[i, :10]) - refs[i]["gamma"][:10])) for i in range(sub_n))
     err = max(np.nanmax(np.abs(np.asarray(traj.gamma[i]) - refs[i]["gamma"])) for i in range(sub_n))
     errc = max(np.max(np.abs(np.asarray(traj.consensus[i]) - refs[i]["consensus"])) for i in range(sub_n))
+    errr = max(np.nanmax(np.abs(np.asarray(traj.rotation[i, :10]) - refs[i]["rotation"][:10]), initial=0.0)
+               for i in range(sub_n))
+    nan_same = all(np.array_equal(np.isnan(np.asarray(traj.rotation[i])), np.isnan(refs[i]["rotation"]))
+                   for i in range(sub_n))
     print(f"check (float32 both): max |gamma_jax - gamma_numpy| = {err10:.1e} over the first 10 steps, "
-          f"{err:.1e} over all {T}; max |consensus diff| = {errc:.1e}")
+          f"{err:.1e} over all {T}; max |consensus diff| = {errc:.1e}; max |rotation diff| = {errr:.1e} "
+          f"over the first 10 steps (defined on the same steps: {nan_same})")
 
     fl = flops_per_step(n, d, H, e) * T * S
     achieved = fl / t_jax / 1e9

@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 
+import numpy as np
+
 from powerlens.analysis.alignment import align_model
 from powerlens.models import load
 
@@ -57,13 +59,14 @@ def main(argv=None) -> dict:
     print(f"{args.model}: rule {res.rule}, {res.mode}, {res.n_prompts} prompts, {res.n_tokens} tokens")
     print(f"{'t':>3} {'layer':>5} {'γ shifted':>9} {'γ plain':>8} {'chance':>7} {'ρ shifted':>9} "
           f"{'ρ random':>8} {'ρ other':>8} {'p-value':>9} {'ρ plain':>8}")
-    fmt = lambda v, w=8, p=4: f"{'-':>{w}}" if v is None else f"{v:{w}.{p}f}"
-    for rs, rp in zip(res.rows["shifted"][1:], res.rows["plain"][1:]):
-        pv = "-" if rs["rho_pvalue"] is None else f"{rs['rho_pvalue']:.2e}"
-        layer = rs["layer"] if args.shared_layer is None else args.shared_layer
-        print(f"{rs['t']:3d} {layer:5d} {fmt(rs['gamma'], 9)} {fmt(rp['gamma'])} "
-              f"{fmt(rs['chance_gamma'], 7)} {fmt(rs['rho'], 9)} {fmt(rs['rho_random'])} "
-              f"{fmt(rs['rho_other_layer'])} {pv:>9} {fmt(rp['rho'])}")
+    fmt = lambda v, w=8, p=4: f"{'-':>{w}}" if not np.isfinite(v) else f"{v:{w}.{p}f}"
+    ms, mp = res.measures["shifted"], res.measures["plain"]
+    for t in ms.t[1:]:
+        pv = "-" if not np.isfinite(ms.rho_pvalue[t]) else f"{ms.rho_pvalue[t]:.2e}"
+        layer = ms.layer[t] if args.shared_layer is None else args.shared_layer
+        print(f"{t:3d} {layer:5d} {fmt(ms.gamma[t], 9)} {fmt(mp.gamma[t])} "
+              f"{fmt(ms.chance_gamma[t], 7)} {fmt(ms.rho[t], 9)} {fmt(ms.rho_random[t])} "
+              f"{fmt(ms.rho_other_layer[t])} {pv:>9} {fmt(mp.rho[t])}")
     for order in ("shifted", "plain"):
         s = res.summary(order)
         print(f"{order:>7}: mean γ {s['mean_gamma']:.4f} (chance {s['mean_chance']:.4f}), "

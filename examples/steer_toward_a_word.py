@@ -28,8 +28,7 @@ import os
 import numpy as np
 
 from powerlens.analysis import plots
-from powerlens.analysis.spectra import null_subspaces
-from powerlens.dynamics.simulate import simulate_batch
+from powerlens.dynamics import run_batch
 from powerlens.models import embed, load
 from powerlens.steering import alignment_alpha, entering_states, output_effects, parse_direction, rank1
 
@@ -38,8 +37,7 @@ DEFAULT_TEXTS = ["My favourite city is", "The weather today is", "For dinner we 
 
 def paper_final_cos(layers, x0, valid, u):
     """cos(x_i, u) of every valid token after all layers of the `paper` dynamics (flat)."""
-    null = null_subspaces(layers)
-    Y = np.asarray(simulate_batch(layers, x0, null, valid=valid, rule="paper").final, np.float64)
+    Y = np.asarray(run_batch(layers, x0, valid, rule="paper", observe=("final",))["final"], np.float64)
     return ((Y @ u) / np.linalg.norm(Y, axis=-1))[np.asarray(valid)]
 
 

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from powerlens.analysis import plots
-from powerlens.dynamics.sweep import simulate_sweep, stack_systems, sweep_subspaces
+from powerlens.analysis.spectra import sweep_subspaces
+from powerlens.dynamics.sweep import simulate_sweep, stack_systems
 from powerlens.dynamics.synthetic import cone_tokens, synthetic_system
 from powerlens.reproduce.synthetic import fit_rate
 

@@ -1,17 +1,79 @@
 """powerlens: transformer attention layers as power-method steps, in JAX.
 
-Quick tour::
+The whole tour in one namespace::
 
     import powerlens as pl
-    layers = pl.synthetic_system([3.0, 1.0, 0.5], kind="symmetric", heads=2, d=16, steps=50)
-    spec = pl.layer_spectra(pl.layer_matrices(layers))      # both orderings, per layer
-    subs = pl.reference_subspaces(spec)                       # principal + controls
-    traj = pl.simulate_batch(layers, x0, subs, attention="uniform")
+
+    # a synthetic shared-weight system with a prescribed spectrum of F = O V
+    layers = pl.synthetic_system([2.0, 0.5 + 1.0j, 0.3], kind="normal", heads=2, d=8, steps=60)
+    spectra = pl.layer_spectra(pl.layer_matrices(layers))        # both orderings, per layer
+    subs = pl.reference_subspaces(spectra)                        # principal + random + other layer
+    x0 = pl.sphere_tokens(np.random.default_rng(0), 16, 8)        # (n, d)
+    out = pl.run(layers, x0, None, rule="paper", attention="softmax",
+                 observers={"align": pl.alignment(subs), "consensus": pl.consensus()})
+    traj = pl.simulate_batch(layers, x0[None], subs)              # every measure, vmapped over prompts
+
+    # a pretrained model
+    model = pl.load("minilm")                                     # or smollm2, a folder, a .gguf
+    x0, valid = pl.embed(model, ["The cat sat on the mat."])
+    res = pl.align(model, ["The cat sat on the mat."], rule="paper")
+    u = pl.parse_direction("token:king", model=model).vector
+    a = pl.minimal_alpha(model.layers, u, x0, valid=valid, target=0.9, w="value").alignment.alpha
+    steered = pl.rank1(model.layers, u, alpha=a, w="value")
+    learned = pl.optimize_steering(model.layers, x0, u[None], valid=valid, target=0.9)
+
+Names are resolved on first use (PEP 562), so ``import powerlens`` stays cheap and the
+command line starts fast; ``dir(pl)`` and ``pl.__all__`` list them all.
 """
-from .dynamics.params import LayerConfig, Layers, layer_matrices, make_layers
-from .dynamics.simulate import Trajectory, pooled, simulate, simulate_batch
-from .dynamics.synthetic import (bipartite_tokens, cone_tokens, parse_spectrum, sphere_tokens,
-                                 spectrum_matrix, synthetic_system)
-from .analysis.spectra import Subspaces, layer_spectra, reference_subspaces
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# public name -> (module, attribute)
+_EXPORTS = {
+    # dynamics: parameters, the one scan and its observers, synthetic systems
+    **{n: ("powerlens.dynamics", n) for n in (
+        "Layer", "LayerConfig", "Layers", "layer_matrices", "make_layers", "constant_term", "value_matrix",
+        "RULES", "ATTENTION_MODES", "layer_step", "attention_output", "faithful_rule",
+        "Subspaces", "null_subspaces", "REFERENCES",
+        "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final",
+        "Alignment", "Consensus", "Trajectory", "simulate", "simulate_batch", "pooled")},
+    **{n: ("powerlens.dynamics.synthetic", n) for n in (
+        "synthetic_system", "spectrum_matrix", "parse_spectrum", "sphere_tokens", "cone_tokens",
+        "bipartite_tokens")},
+    "simulate_sweep": ("powerlens.dynamics.sweep", "simulate_sweep"),
+    "stack_systems": ("powerlens.dynamics.sweep", "stack_systems"),
+    # models: checkpoints, embeddings, the model's own forward pass
+    **{n: ("powerlens.models", n) for n in (
+        "load", "resolve", "embed", "embed_ids", "tokenize", "hidden_states", "logits", "run_states",
+        "Model", "ModelInfo", "CheckpointError")},
+    # analysis: spectra, statistics, alignment of a model
+    **{n: ("powerlens.analysis", n) for n in (
+        "ORDERS", "LayerSpectrum", "layer_spectra", "reference_subspaces", "spectra_json", "sweep_subspaces",
+        "binomial_pvalue", "chance_gamma", "chance_gamma_std", "random_subspace",
+        "AlignResult", "align_model", "model_spectra", "run_system")},
+    "align": ("powerlens.analysis", "align_model"),
+    # steering
+    **{n: ("powerlens.steering", n) for n in (
+        "rank1", "Rank1Result", "minimal_alpha", "MinimalAlpha", "principal_alpha", "alignment_alpha",
+        "optimize_steering", "SteeringResult", "output_effects", "steered_model", "forward_final",
+        "parse_direction", "Direction", "checkpoint_delta")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'powerlens' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value            # resolved once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -14,6 +14,10 @@ import argparse
 import os
 import sys
 
+# transformers announces at import that torch is missing; torch is never needed here (only
+# tokenizers are used), so the notice would alarm for nothing
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 MODEL_HELP = "a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: minilm, smollm2"
 
 

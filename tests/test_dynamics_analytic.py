@@ -18,6 +18,7 @@ import pytest
 from scipy import special, stats
 
 from powerlens.analysis import measures as M
+from powerlens.dynamics import measures as DM
 from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
 from powerlens.dynamics.params import LayerConfig, make_layers
@@ -181,7 +182,7 @@ def test_negative_dominant_orderings_differ():
     assert np.abs(S[-1] @ Q[:, 0]).max() < 1e-10
     # against the plain principal subspace v(-3) the same tokens have gamma ~ 0
     plain = reference_subspaces(layer_spectra(F), order="plain", dtype=jnp.float64)
-    g = np.asarray(M.alignment(jnp.asarray(S[-1]), plain.basis[0, 0]))
+    g = np.asarray(DM.alignment(jnp.asarray(S[-1]), plain.basis[0, 0]))
     assert g.max() < 1e-10
 
 
@@ -376,17 +377,17 @@ def test_state_measures_by_hand():
     res = sqrt(32/3 / 91); cosines: (1, .8, .8) over ordered pairs -> (2*1 + 4*.8)/6 = 13/15."""
     X = jnp.array([[1.0, 0.0], [0.0, 1.0], [7.0, -3.0]])
     valid = jnp.array([True, True, False])
-    assert abs(float(M.consensus_distance(X, valid)) - 1 / math.sqrt(2)) < 1e-14
-    assert abs(float(M.rank_collapse_residual(X, valid)) - 1.0) < 1e-14
-    assert abs(float(M.mean_pairwise_cosine(X, valid))) < 1e-14
+    assert abs(float(DM.consensus_distance(X, valid)) - 1 / math.sqrt(2)) < 1e-14
+    assert abs(float(DM.rank_collapse_residual(X, valid)) - 1.0) < 1e-14
+    assert abs(float(DM.mean_pairwise_cosine(X, valid))) < 1e-14
     X = jnp.array([[3.0, 4.0], [3.0, 4.0], [0.0, 5.0]])
     ok = jnp.ones(3, bool)
-    assert abs(float(M.consensus_distance(X, ok)) - math.sqrt(4 / 45)) < 1e-14
-    assert abs(float(M.rank_collapse_residual(X, ok)) - math.sqrt(32 / 3 / 91)) < 1e-14
-    assert abs(float(M.mean_pairwise_cosine(X, ok)) - 13 / 15) < 1e-14
+    assert abs(float(DM.consensus_distance(X, ok)) - math.sqrt(4 / 45)) < 1e-14
+    assert abs(float(DM.rank_collapse_residual(X, ok)) - math.sqrt(32 / 3 / 91)) < 1e-14
+    assert abs(float(DM.mean_pairwise_cosine(X, ok)) - 13 / 15) < 1e-14
     # gamma against a zero-padded basis: only the first k columns count
     B = jnp.array([[1.0, 0.0], [0.0, 0.0]])
-    np.testing.assert_allclose(np.asarray(M.alignment(X, B)), [0.6, 0.6, 0.0], atol=1e-15)
+    np.testing.assert_allclose(np.asarray(DM.alignment(X, B)), [0.6, 0.6, 0.0], atol=1e-15)
 
 
 def test_pooled_weights_by_valid_tokens():

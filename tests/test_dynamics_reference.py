@@ -1,4 +1,4 @@
-"""The JAX dynamics against the plain NumPy reference (powerlens.dynamics.reference_numpy).
+"""The JAX dynamics against the plain NumPy reference (tests/reference_numpy.py, the oracle).
 
 Random systems exercise every attention mode x rule, with grouped-query attention,
 all four biases, keep_bias on and off, a causal mask with a local window, padding
@@ -6,15 +6,18 @@ tokens, a layer-varying schedule, layernorm/rmsnorm parameters and RoPE. The JAX
 path runs in float32, the reference in float64 on the same (float32) weights, so
 the agreement expected is float32 rounding: ~1e-5 after a few steps.
 """
+import dataclasses
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
+import reference_numpy as R
+
 from powerlens.analysis.spectra import layer_spectra, reference_subspaces
-from powerlens.dynamics import reference_numpy as R
 from powerlens.dynamics.layer import layer_step
 from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
-from powerlens.dynamics.simulate import simulate_batch, simulate_jit
+from powerlens.dynamics.simulate import simulate, simulate_batch, simulate_jit
 from powerlens.dynamics.synthetic import spectrum_matrix, split_heads
 
 TOL = 1e-5
@@ -187,3 +190,86 @@ def test_fast_reference_equals_loop_reference(sys_causal):
         for key in ("gamma", "gamma_before", "rho", "rotation", "consensus", "rank_collapse", "pairwise_cos",
                     "final"):
             np.testing.assert_allclose(b[key], a[key], atol=1e-12, err_msg=key)
+
+
+def _without_rope(layers):
+    return layers.replace(config=dataclasses.replace(layers.config, rope_theta=None, rope_dim=None))
+
+
+@pytest.fixture(scope="module")
+def sys_rope_causal():
+    """Causal GQA 4/2 with RoPE on every head dim (theta 10: fast rotations), window 3 on
+    layer 0, all biases, one padded token."""
+    layers = _system(causal=True, window=(3, 0), norm="l2", rope_theta=10.0, rope_dim=None, seed=4)
+    sub = reference_subspaces(layer_spectra(layer_matrices(layers)), seed=3)
+    rng = np.random.default_rng(7)
+    x0 = rng.standard_normal((7, 8)).astype(np.float32)
+    valid = np.array([1, 1, 1, 0, 1, 1, 1], bool)
+    return layers, sub, x0, valid
+
+
+@pytest.mark.parametrize("which", ["sys_rope", "sys_rope_causal"])
+def test_rope_jax_vs_fast_and_loop_reference(which, request):
+    """With RoPE on (rope_dim 2 of 4 and full rope_dim), the JAX simulate equals both the
+    vectorised reference (simulate_fast) and the loop reference; and RoPE really acts in each
+    of the three: dropping it (rope_theta=None) moves the result by far more than rounding.
+    simulate_fast once accepted rope_theta without passing it on; this test fails then."""
+    layers, sub, x0, valid = request.getfixturevalue(which)
+    kw = dict(valid=valid, rule="paper", attention="softmax")
+    assert layers.config.rope_theta is not None and layers.W_q is not None and layers.W_k is not None
+    traj = simulate(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule="paper", attention="softmax")
+    fast = R.simulate_layers(layers, x0, sub, fast=True, **kw)
+    loop = R.simulate_layers(layers, x0, sub, **kw)
+    _compare(traj, fast, valid)
+    _compare(traj, loop, valid)
+    for key in ("gamma", "gamma_before", "rho", "rotation", "consensus", "rank_collapse", "pairwise_cos",
+                "final"):
+        np.testing.assert_allclose(fast[key], loop[key], atol=1e-12, err_msg=key)
+    # without RoPE: every implementation changes, and agrees with the others again
+    fast0 = R.simulate_layers(layers, x0, sub, fast=True, **{**kw, "rope_theta": None})
+    loop0 = R.simulate_layers(layers, x0, sub, **{**kw, "rope_theta": None})
+    traj0 = simulate(_without_rope(layers), jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule="paper",
+                     attention="softmax")
+    np.testing.assert_allclose(fast0["final"], loop0["final"], atol=1e-12)
+    _compare(traj0, loop0, valid)
+    for a, b in ((fast, fast0), (loop, loop0)):
+        assert np.abs(a["final"] - b["final"])[valid].max() > 1e-2
+    assert np.abs(np.asarray(traj.final) - np.asarray(traj0.final))[valid].max() > 1e-2
+
+
+def test_rope_fast_by_hand():
+    """rope_fast on one 4-dim vector at position 3, theta 100: pair (a, a + 2) turns by
+    3 * 100^(-a/2), i.e. 3 rad and 0.3 rad; the loop rope gives the same."""
+    x = np.array([[1.0, 2.0, 3.0, 4.0]])
+    got = R.rope_fast(x[None], np.array([3]), 100.0)[0]
+    c0, s0, c1, s1 = np.cos(3.0), np.sin(3.0), np.cos(0.3), np.sin(0.3)
+    want = np.array([[1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]])
+    np.testing.assert_allclose(got, want, atol=1e-15)
+    np.testing.assert_allclose(R.rope(x, np.array([3]), 100.0), want, atol=1e-15)
+    # rope_dim 2 of 4: only the pair (0, 1) turns, by the full angle 3 rad
+    got = R.rope_fast(x[None], np.array([3]), 100.0, rope_dim=2)[0]
+    np.testing.assert_allclose(got, [[1 * c0 - 2 * s0, 2 * c0 + 1 * s0, 3.0, 4.0]], atol=1e-15)
+
+
+def test_benchmark_baseline_equals_reference():
+    """benchmarks/numpy_baseline.py (the baseline benchmarks/simulate.py times, kept apart from
+    this oracle) computes the same trajectory and measures as the oracle, in float64, on a
+    shared-weight synthetic system with a complex pair (rotation defined)."""
+    import importlib.util
+    import os
+
+    from powerlens.dynamics.synthetic import sphere_tokens, synthetic_system
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "numpy_baseline.py")
+    spec = importlib.util.spec_from_file_location("numpy_baseline", path)
+    NB = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(NB)
+    layers = synthetic_system([0.8 + 1.1j, 0.5, -0.3], kind="normal", heads=2, d=8, seed=1, steps=12)
+    sub = reference_subspaces(layer_spectra(layer_matrices(layers)), seed=0)
+    x0 = sphere_tokens(np.random.default_rng(2), 9, 8)
+    ref = R.simulate_layers(layers, x0, sub, rule="paper", attention="softmax", fast=True)
+    p = NB.layer_arrays(layers, dtype=np.float64)
+    got = NB.simulate(p, x0, np.asarray(sub.basis, np.float64)[0], np.asarray(sub.dim)[0], 12, dtype=np.float64)
+    assert np.all(np.isfinite(ref["rotation"]))
+    for key in ("gamma", "gamma_before", "rho", "rotation", "consensus", "rank_collapse", "pairwise_cos", "final"):
+        np.testing.assert_allclose(got[key], ref[key], atol=1e-12, err_msg=key)

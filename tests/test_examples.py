@@ -166,7 +166,7 @@ def test_align_example(minilm, tmp_path, capsys):
         assert vals[0] == pytest.approx(g1.mean(), abs=2e-4)
         assert vals[2] == pytest.approx(chance1 * (np.pi / 2 if B.shape[1] == 2 else 1.0), abs=1e-4)
         assert vals[3] == pytest.approx(np.mean(g1 > g0), abs=1.01 / n_tok)
-        r = out["result"].rows["shifted"][t]
+        r = out["result"].measures["shifted"].rows()[t]
         assert r["gamma"] == pytest.approx(g1.mean(), abs=2e-5)
     summary = out["result"].summary("shifted")
     assert re.search(rf"shifted: mean γ {summary['mean_gamma']:.4f}", text)

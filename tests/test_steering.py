@@ -14,6 +14,8 @@ from powerlens.dynamics.params import LayerConfig, make_layers, value_matrix
 from powerlens.models.base import Model, ModelInfo
 from powerlens.steering import (alignment_alpha, as_direction, checkpoint_delta, minimal_alpha, optimize_steering,
                                 output_effects, parse_direction, principal_alpha, rank1)
+from powerlens.models.embed import embed_ids, pad_ids
+from powerlens.steering.effects import forward_final
 from powerlens.steering.optimize import run_tail
 from powerlens.steering.rank1 import host_matrices
 
@@ -53,6 +55,31 @@ def test_eigenvector_moves_by_alpha_rest_unchanged(system):
     assert r.delta_norm == pytest.approx(alpha * np.linalg.norm(w), rel=1e-12)
 
 
+def test_inverse_w_is_exact_at_cond_1e8():
+    """w='inverse' gives z = V_cat^T w = u at float64 rounding times cond(V_cat), not its
+    square: at cond 1e8 the normal equations V (V^T V)^{-1} u lose every digit of z."""
+    import jax
+    H, e, d = 3, 4, 8
+    rng = np.random.default_rng(4)
+    P = np.linalg.qr(rng.standard_normal((H * e, d)))[0]           # (H e, d) orthonormal columns
+    Q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    V = P @ np.diag(np.logspace(0, -8, d)) @ Q.T                    # cond(V) = 1e8
+    u = as_direction(rng.standard_normal(d))
+    with jax.enable_x64(True):
+        layers = make_layers(V.reshape(1, H, e, d), rng.standard_normal((1, d, H * e)),
+                             config=LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2"))
+        assert layers.W_v.dtype == np.float64
+        _, Vh, _ = host_matrices(layers, -1)
+        assert np.linalg.cond(Vh) == pytest.approx(1e8, rel=1e-3)
+        r = rank1(layers, u, alpha=1.0, w="inverse", spectrum=False)
+    assert np.max(np.abs(r.z - u)) < 1e-6
+    # the minimum-norm solution: w lies in the column space of V_cat
+    np.testing.assert_allclose(P @ (P.T @ r.w), r.w, rtol=0, atol=1e-6 * np.linalg.norm(r.w))
+    # the normal equations (the old formula) miss by far more than that tolerance
+    w_old = Vh @ np.linalg.solve(Vh.T @ Vh, u)
+    assert np.max(np.abs(Vh.T @ w_old - u)) > 1e-4
+
+
 @pytest.mark.parametrize("w", ["inverse", "value"])
 def test_asymptotic_eigenpair_matches_eig(system, w):
     rng = np.random.default_rng(3)
@@ -85,6 +112,57 @@ def test_checkpoint_delta_layouts():
     np.testing.assert_allclose(m @ checkpoint_delta("llama", delta).T, m @ delta.T)
     with pytest.raises(ValueError, match="family 'mamba'"):
         checkpoint_delta("mamba", delta)
+    # a ModelInfo (what a loaded model carries) names its family's layout too
+    np.testing.assert_array_equal(checkpoint_delta(ModelInfo(family="gpt2", source="x"), delta), delta.T)
+
+
+# the steered block's output projection in each transformers model, and its layout in powerlens
+_OUT_PROJ = {"gpt2": lambda hf: hf.transformer.h[-1].attn.c_proj.weight,                  # Conv1D (H e, d)
+             "gpt_neo": lambda hf: hf.transformer.h[-1].attn.attention.out_proj.weight,    # Linear (d, H e)
+             "llama": lambda hf: hf.model.layers[-1].self_attn.o_proj.weight}             # Linear (d, H e)
+
+
+@pytest.mark.parametrize("kind", sorted(_OUT_PROJ))
+def test_checkpoint_delta_steers_transformers_like_powerlens(tmp_path, kind):
+    """rank1's delta_O, written into a real tiny transformers model in the family's stored
+    layout, gives the hidden states and logits of powerlens's steered model (rule ``full``)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import torch
+    import hf_tiny_decoders as T
+    from powerlens.models import embed_ids, hidden_states, load, logits
+
+    hf = T.build(kind, str(tmp_path / kind), seed=3, head=True)
+    model = load(str(tmp_path / kind))
+    ids, mask = T.batch()
+    valid = mask.astype(bool)
+    x0, vj = embed_ids(model, ids, valid)
+    u = as_direction(np.random.default_rng(1).standard_normal(model.layers.config.d_model))
+    r = rank1(model.layers, u, alpha=3.0, w="value", layer=-1, spectrum=False)
+    steered = model.replace(layers=r.layers)
+    hs = np.asarray(hidden_states(steered, x0, vj), np.float64)
+    lg = np.asarray(logits(steered, hs[-1], normed=True), np.float64)
+    hs0 = np.asarray(hidden_states(model, x0, vj), np.float64)
+
+    def torch_outputs(stored_delta):
+        weight = _OUT_PROJ[kind](hf)
+        assert tuple(weight.shape) == stored_delta.shape
+        with torch.no_grad():
+            weight += torch.tensor(stored_delta, dtype=weight.dtype)
+            out = T.hf_hidden_states(hf, ids, mask), T.hf_logits(hf, ids, mask)
+            weight -= torch.tensor(stored_delta, dtype=weight.dtype)
+        return out
+
+    def err(a, b):
+        return float(np.max(np.abs(a[..., valid, :] - b[..., valid, :])) / max(1.0, np.abs(b[..., valid, :]).max()))
+
+    ref_hs, ref_lg = torch_outputs(r.checkpoint_delta(model.info))
+    assert err(hs, ref_hs) <= 1e-4 and err(lg, ref_lg) <= 1e-4, (err(hs, ref_hs), err(lg, ref_lg))
+    assert err(hs0, ref_hs) > 1e-2                       # the steering changed the last block's output
+    # the other layout (a square (d, d) weight here, so it fits) steers transformers differently
+    assert r.delta_O.shape[0] == r.delta_O.shape[1]
+    wrong = torch_outputs(np.ascontiguousarray(r.checkpoint_delta(model.info).T))[0]
+    assert err(hs, wrong) > 1e-2
 
 
 # ------------------------------------------------------------------ minimal alpha
@@ -276,6 +354,22 @@ def test_effects_match_numpy_reference(tiny_decoder):
         assert c["perplexity"] == pytest.approx(np.exp(nll), rel=1e-4)
     # activation addition at the last block shifts the final state by exactly beta u
     assert eff["conditions"]["activation_addition"]["alignment"] > eff["conditions"]["before"]["alignment"]
+    ids, valid = pad_ids(prompts)
+    x0, vj = embed_ids(model, ids, valid)
+    h0 = np.asarray(forward_final(model, x0, vj)[0], np.float64)
+    h2 = np.asarray(forward_final(model, x0, vj, add=beta * u)[0], np.float64)
+    # float32: h2 = fl(h0 + fl(beta u)), so each entry is off by at most one rounding of each sum
+    eps32 = np.finfo(np.float32).eps
+    bound = eps32 * (np.abs(h0) + beta * np.abs(u) + np.abs(h2))
+    assert np.all(np.abs(h2 - h0 - beta * u)[valid] <= bound[valid])
+    # and the reported alignment is the mean cos(h0 + beta u, u) of the valid final tokens
+    shifted = h0 + beta * u
+    cos = (shifted @ u) / np.linalg.norm(shifted, axis=-1)
+    # a perturbation of norm <= ||bound|| moves cos(h, u) by at most 2 ||bound|| / ||h||
+    tol = 2 * np.max(np.linalg.norm(bound, axis=-1) / np.linalg.norm(shifted, axis=-1))
+    assert eff["conditions"]["activation_addition"]["alignment"] == pytest.approx(cos[valid].mean(), abs=tol)
+    assert eff["conditions"]["before"]["alignment"] == pytest.approx(
+        ((h0 @ u) / np.linalg.norm(h0, axis=-1))[valid].mean(), abs=tol)
 
 
 # ------------------------------------------------------------------ bad input

@@ -9,12 +9,14 @@ import sys
 import numpy as np
 
 import powerlens as pl
-from powerlens.dynamics.sweep import simulate_sweep, stack_systems, sweep_subspaces
+from powerlens.analysis.spectra import sweep_subspaces
+from powerlens.dynamics.sweep import simulate_sweep, stack_systems
 
 SCRIPT = r"""
 import numpy as np, jax
 import powerlens as pl
-from powerlens.dynamics.sweep import stack_systems, sweep_subspaces, simulate_sweep
+from powerlens.analysis.spectra import sweep_subspaces
+from powerlens.dynamics.sweep import stack_systems, simulate_sweep
 systems = [pl.synthetic_system([2.0, 0.5 + 0.5j], kind="normal", heads=2, d=6, seed=i, steps=12) for i in range(4)]
 _, subs = sweep_subspaces(systems)
 X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 5, 6) for i in range(4)])

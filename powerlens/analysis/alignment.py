@@ -17,9 +17,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..dynamics.layer import faithful_rule
+from ..dynamics.layer import RULES, faithful_rule
 from ..dynamics.params import layer_matrices
-from .experiment import column, run_system
+from .experiment import StepMeasures, plot_measures, run_system
 from .spectra import ORDERS, LayerSpectrum, layer_spectra
 
 
@@ -29,60 +29,59 @@ def model_spectra(model) -> List[LayerSpectrum]:
 
 
 def resolve_rule(model, rule: str) -> str:
+    """``faithful`` -> the model's own attention-only rule; any rule of :data:`RULES` as is."""
     if rule == "faithful":
         return faithful_rule(model.layers.config)
-    if rule not in ("paper", "post_ln", "pre_ln", "full"):
-        raise ValueError(f"unknown rule {rule!r}; expected paper or faithful")
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; expected one of {RULES + ('faithful',)}")
     return rule
 
 
 @dataclasses.dataclass
 class AlignResult:
+    """gamma_t / rho_t of a model on prompts, in both orderings.
+
+    Attributes:
+      rule: the rule run.
+      mode: ``"layers"`` or ``"shared layer L x T"``.
+      measures: order -> :class:`~powerlens.analysis.experiment.StepMeasures` ("[T+1]" arrays).
+      spectra: the spectra of the layers run.
+      n_tokens, n_prompts: sizes of the prompt batch.
+    """
+
     rule: str
-    mode: str                         # "layers" or "shared layer L x T"
-    rows: Dict[str, List[dict]]       # order -> rows t = 0..T (see RunResult.rows)
+    mode: str
+    measures: Dict[str, StepMeasures]
     spectra: List[LayerSpectrum]
     n_tokens: int
     n_prompts: int
 
     def summary(self, order: str) -> dict:
-        """Aggregates over steps t >= 1: the numbers behind a verdict."""
-        rows = [r for r in self.rows[order][1:] if r["gamma"] is not None]
-        g = np.array([r["gamma"] for r in rows])
-        ch = np.array([r["chance_gamma"] for r in rows])
-        band = np.array([r["chance_band"] for r in rows])
-        rho = np.array([np.nan if r["rho"] is None else r["rho"] for r in rows])
-        rho_rand = np.array([np.nan if r["rho_random"] is None else r["rho_random"] for r in rows])
-        rho_other = np.array([np.nan if r["rho_other_layer"] is None else r["rho_other_layer"] for r in rows])
-        p = np.array([np.nan if r["rho_pvalue"] is None else r["rho_pvalue"] for r in rows])
+        """Aggregates over the steps t >= 1 where gamma is defined: the numbers behind a verdict."""
+        m = self.measures[order]
+        ok = np.isfinite(m.gamma[1:])
+        step = lambda a: np.asarray(a, float)[1:][ok]
+        g, ch, band = step(m.gamma), step(m.chance_gamma), step(m.chance_band)
+        rho, rho_other = step(m.rho), step(m.rho_other_layer)
         return {
-            "steps": len(rows),
+            "steps": int(ok.sum()),
             "mean_gamma": float(np.mean(g)), "mean_chance": float(np.mean(ch)),
             "share_gamma_above_chance": float(np.mean(g > ch + band)),
             "max_gamma": float(np.max(g)),
             "mean_rho": float(np.nanmean(rho)), "share_rho_above_half": float(np.nanmean(rho > 0.5)),
-            "share_rho_significant": float(np.nanmean(p < 0.01)),
-            "mean_rho_random_control": float(np.nanmean(rho_rand)),
+            "share_rho_significant": float(np.nanmean(step(m.rho_pvalue) < 0.01)),
+            "mean_rho_random_control": float(np.nanmean(step(m.rho_random))),
             "mean_rho_other_layer_control": float(np.nanmean(rho_other)) if np.isfinite(rho_other).any() else None,
         }
 
     def to_json(self) -> dict:
         return {"rule": self.rule, "mode": self.mode, "n_tokens": self.n_tokens, "n_prompts": self.n_prompts,
-                "orders": {o: {"steps": self.rows[o], "summary": self.summary(o)} for o in ORDERS}}
+                "orders": {o: {"steps": self.measures[o].rows(), "summary": self.summary(o)} for o in ORDERS}}
 
     def plot(self, folder: str, *, title: Optional[str] = None, prefix: str = "") -> List[str]:
-        from . import plots
-        col = lambda o, k: column(self.rows[o], k)
-        t = np.array([r["t"] for r in self.rows["shifted"][1:]])
-        label = "layer t" if self.mode == "layers" else "step t"
         path = os.path.join(folder, f"{prefix}alignment.png")
-        plots.plot_alignment(
-            t, {o: col(o, "gamma") for o in ORDERS}, {o: col(o, "rho") for o in ORDERS}, path,
-            chance=col("shifted", "chance_gamma"), chance_band=col("shifted", "chance_band"),
-            gamma_controls={"random subspace": col("shifted", "gamma_random")},
-            rho_controls={"random subspace": col("shifted", "rho_random"),
-                          "other layer": col("shifted", "rho_other_layer")},
-            xlabel=label, title=f"{title or ''} — rule {self.rule}, {self.mode}".strip(" —"))
+        plot_measures(self.measures, path, xlabel="layer t" if self.mode == "layers" else "step t",
+                      title=f"{title or ''} — rule {self.rule}, {self.mode}".strip(" —"))
         return [path]
 
 
@@ -108,11 +107,11 @@ def align_model(model, texts_or_ids: Sequence, *, rule: str = "paper", shared_la
         layers = layers.shared(shared_layer, steps)
         spectra = [spectra[shared_layer]]
         mode = f"shared layer {shared_layer} x {steps}"
-    rows = {}
+    measures = {}
     n_tok = int(np.asarray(valid).sum())
     for order in ORDERS:
         res = run_system(layers, np.asarray(x0), valid, rule=r, attention="softmax", order=order, seed=seed,
                          progress=progress, spectra=spectra, desc=f"align {order}", keep_states_limit=0)
-        rows[order] = res.rows()
-    return AlignResult(rule=r, mode=mode, rows=rows, spectra=spectra, n_tokens=n_tok,
+        measures[order] = res.measures
+    return AlignResult(rule=r, mode=mode, measures=measures, spectra=spectra, n_tokens=n_tok,
                        n_prompts=int(np.asarray(x0).shape[0]))

@@ -1,5 +1,6 @@
 """One measured run of a system: spectra -> reference subspaces -> chunked simulation
-(with a progress bar) -> pooled per-step metrics, ready for JSON/CSV and plots.
+(with a progress bar) -> pooled per-state measures (:class:`StepMeasures`), ready for
+plots, and for JSON/CSV through :meth:`StepMeasures.rows`.
 
 The simulation is run in chunks of the schedule so that long runs show progress and
 memory stays bounded; each chunk is the same jitted ``simulate_batch`` call.
@@ -9,75 +10,144 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
+from ..dynamics.inputs import check_tokens
 from ..dynamics.params import Layers, layer_matrices
-from ..dynamics.simulate import check_tokens, pooled, simulate_batch
+from ..dynamics.simulate import pooled, simulate_batch
+from ..dynamics.subspaces import Subspaces
 from .measures import binomial_pvalue, chance_gamma, chance_gamma_std
-from .spectra import LayerSpectrum, Subspaces, check_order, layer_spectra, reference_subspaces
-
-REF_NAMES = ("principal", "random", "other_layer")
+from .spectra import LayerSpectrum, check_order, layer_spectra, reference_subspaces
 
 
 @dataclasses.dataclass
-class RunResult:
-    spectra: List[LayerSpectrum]
-    subspaces: Subspaces
-    schedule: tuple
-    order: str
-    metrics: dict                      # pooled arrays (see powerlens.dynamics.simulate.pooled)
-    states: Optional[np.ndarray]       # (T+1, B, n, d) when kept
-    d: int
+class StepMeasures:
+    """Pooled measures of a run (over prompts, weighted by valid tokens), one entry per state
+    t = 0 .. T: every array is "[T+1]", index 0 the initial state x_0.
 
-    @property
-    def steps(self) -> int:
-        return len(self.schedule)
+    A measure of a step (rho and its controls, its p-value, rotation) is NaN at t = 0;
+    gamma at t = 0 is that of x_0 against the references of the first step's layer.
 
-    def chance(self, t: int) -> tuple:
-        """(mean, std of one token) of gamma for a random token against S of step t."""
-        k = int(np.asarray(self.subspaces.dim)[self.schedule[t], 0])
-        return chance_gamma(self.d, k), chance_gamma_std(self.d, k)
+    Attributes:
+      t: "int[T+1]" the state index.
+      layer: "int[T+1]" the unique layer whose step produced state t (-1 at t = 0).
+      gamma, gamma_random, gamma_other_layer: "float[T+1]" mean gamma_i against the
+        principal subspace and the two controls (the references read by name).
+      rho, rho_random, rho_other_layer: "float[T+1]" share of tokens whose gamma grew.
+      rotation: "float[T+1]" mean angle step in the principal plane (NaN unless a complex pair).
+      rho_pvalue: "float[T+1]" one-sided binomial p-value of rho > 1/2.
+      consensus, rank_collapse, pairwise_cos: "float[T+1]" (mean over prompts).
+      chance_gamma, chance_band: "float[T+1]" chance level of gamma (random direction) and
+        the half-width 2 sd / sqrt(tokens) of its band.
+      n_tokens: number of valid tokens pooled.
+    """
+
+    t: np.ndarray
+    layer: np.ndarray
+    gamma: np.ndarray
+    rho: np.ndarray
+    rotation: np.ndarray
+    gamma_random: np.ndarray
+    rho_random: np.ndarray
+    gamma_other_layer: np.ndarray
+    rho_other_layer: np.ndarray
+    rho_pvalue: np.ndarray
+    consensus: np.ndarray
+    rank_collapse: np.ndarray
+    pairwise_cos: np.ndarray
+    chance_gamma: np.ndarray
+    chance_band: np.ndarray
+    n_tokens: int
+
+    COLUMNS = ("t", "layer", "gamma", "rho", "rotation", "gamma_random", "rho_random", "gamma_other_layer",
+               "rho_other_layer", "rho_pvalue", "consensus", "rank_collapse", "pairwise_cos", "chance_gamma",
+               "chance_band")
 
     def rows(self) -> List[dict]:
-        """One row per state t = 0..T: gamma, rho (null at t = 0), consensus, rotation, controls."""
-        m = self.metrics
-        n_tok = m["n_tokens"]
+        """One JSON/CSV row per state t = 0..T (NaN and the missing layer at t = 0 -> None)."""
+        cols = [(k, getattr(self, k)) for k in self.COLUMNS]
         out = []
-        for t in range(self.steps + 1):
-            row = {"t": t}
-            if t == 0:
-                row.update(layer=None, gamma=m["gamma_before"][0, 0], rho=None, rotation=None,
-                           gamma_random=m["gamma_before"][0, 1], rho_random=None,
-                           gamma_other_layer=m["gamma_before"][0, 2], rho_other_layer=None, rho_pvalue=None)
-                ch, sd = self.chance(0)
-            else:
-                g, r = m["gamma"][t - 1], m["rho"][t - 1]
-                row.update(layer=self.schedule[t - 1], gamma=g[0], rho=r[0], rotation=m["rotation"][t - 1],
-                           gamma_random=g[1], rho_random=r[1], gamma_other_layer=g[2], rho_other_layer=r[2],
-                           rho_pvalue=binomial_pvalue(int(m["rho_count"][t - 1, 0]), n_tok)
-                           if np.isfinite(r[0]) else None)
-                ch, sd = self.chance(t - 1)
-            row.update(consensus=m["consensus"][t], rank_collapse=m["rank_collapse"][t],
-                       pairwise_cos=m["pairwise_cos"][t], chance_gamma=ch,
-                       chance_band=2 * sd / np.sqrt(max(n_tok, 1)))
-            out.append({k: _num(v) for k, v in row.items()})
+        for t in range(len(self.t)):
+            row = {k: _num(a[t]) for k, a in cols}
+            if row["layer"] is not None and row["layer"] < 0:
+                row["layer"] = None
+            out.append(row)
         return out
+
+    @classmethod
+    def from_rows(cls, rows: List[dict], n_tokens: int = 0) -> "StepMeasures":
+        """The inverse of :meth:`rows`, for results read back from JSON (None -> NaN)."""
+        get = lambda k, fill, dtype: np.array([fill if r[k] is None else r[k] for r in rows], dtype)
+        ints = {"t": get("t", -1, np.int64), "layer": get("layer", -1, np.int64)}
+        return cls(**ints, **{k: get(k, np.nan, float) for k in cls.COLUMNS if k not in ints}, n_tokens=n_tokens)
 
 
 def _num(v):
-    if v is None:
-        return None
     if isinstance(v, (int, np.integer)):
         return int(v)
     f = float(v)
     return f if np.isfinite(f) else None
 
 
-def column(rows: List[dict], key: str, *, skip_initial: bool = True) -> np.ndarray:
-    """One field of :meth:`RunResult.rows` as a float array (None -> NaN), by default for t >= 1."""
-    return np.array([np.nan if r[key] is None else r[key] for r in (rows[1:] if skip_initial else rows)], float)
+def step_measures(metrics: dict, schedule, subspaces: Subspaces, d: int) -> StepMeasures:
+    """:class:`StepMeasures` from the pooled metrics of a run (see
+    :func:`powerlens.dynamics.simulate.pooled`) of ``schedule`` against ``subspaces``."""
+    m, n_tok = metrics, metrics["n_tokens"]
+    P, R, O = (subspaces.index(name) for name in ("principal", "random", "other_layer"))
+    state = lambda before, after: np.concatenate([np.atleast_1d(before), after])
+    step = lambda a: state(np.nan, a)
+    k = np.asarray(subspaces.dim)[np.asarray(schedule)][:, P]            # dim S of each step
+    k = state(k[0], k)                                                   # t = 0: the first step's layer
+    sd = np.array([chance_gamma_std(d, int(j)) for j in k])
+    pvalue = [binomial_pvalue(int(c), n_tok) if np.isfinite(r) else np.nan
+              for c, r in zip(m["rho_count"][:, P], m["rho"][:, P])]
+    return StepMeasures(
+        t=np.arange(len(schedule) + 1), layer=state(-1, np.asarray(schedule, np.int64)),
+        gamma=state(m["gamma_before"][0, P], m["gamma"][:, P]), rho=step(m["rho"][:, P]),
+        rotation=step(m["rotation"]),
+        gamma_random=state(m["gamma_before"][0, R], m["gamma"][:, R]), rho_random=step(m["rho"][:, R]),
+        gamma_other_layer=state(m["gamma_before"][0, O], m["gamma"][:, O]), rho_other_layer=step(m["rho"][:, O]),
+        rho_pvalue=step(np.array(pvalue, float)), consensus=m["consensus"], rank_collapse=m["rank_collapse"],
+        pairwise_cos=m["pairwise_cos"], chance_gamma=np.array([chance_gamma(d, int(j)) for j in k]),
+        chance_band=2 * sd / np.sqrt(max(n_tok, 1)), n_tokens=n_tok)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """A measured run: spectra, the references used, the schedule, the pooled measures and,
+    when kept, the states "float[T+1 B n d]"."""
+
+    spectra: List[LayerSpectrum]
+    subspaces: Subspaces
+    schedule: tuple
+    order: str
+    measures: StepMeasures
+    states: Optional[np.ndarray]
+    d: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.schedule)
+
+
+def plot_measures(measures: Dict[str, StepMeasures], path: str, *, xlabel: str, title: Optional[str] = None,
+                  other_layer_gamma: bool = False) -> str:
+    """gamma_t and rho_t (t >= 1) of one run per ordering (``measures``: order -> StepMeasures),
+    with the chance band and the controls of the first ordering: the random subspace for
+    gamma (and the other layer with ``other_layer_gamma``), both controls for rho."""
+    from . import plots
+    ref = next(iter(measures.values()))
+    step = lambda a: np.asarray(a)[1:]
+    gamma_controls = {"random subspace": step(ref.gamma_random)}
+    if other_layer_gamma:
+        gamma_controls["other layer"] = step(ref.gamma_other_layer)
+    return plots.plot_alignment(
+        step(ref.t), {o: step(m.gamma) for o, m in measures.items()}, {o: step(m.rho) for o, m in measures.items()},
+        path, chance=step(ref.chance_gamma), chance_band=step(ref.chance_band), gamma_controls=gamma_controls,
+        rho_controls={"random subspace": step(ref.rho_random), "other layer": step(ref.rho_other_layer)},
+        xlabel=xlabel, title=title)
 
 
 def rows_csv(rows: List[dict]) -> str:
@@ -133,5 +203,7 @@ def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention
         (parts[0][k] if k == "n_tokens" else np.concatenate([p[k] for p in parts]))
         for k in parts[0]
     }
-    return RunResult(spectra=spectra, subspaces=subs, schedule=tuple(schedule), order=order, metrics=metrics,
-                     states=np.concatenate(states) if keep else None, d=layers.config.d_model)
+    d = layers.config.d_model
+    return RunResult(spectra=spectra, subspaces=subs, schedule=tuple(schedule), order=order,
+                     measures=step_measures(metrics, schedule, subs, d),
+                     states=np.concatenate(states) if keep else None, d=d)

@@ -20,13 +20,15 @@ Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only; on accelerators 
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
-from flax import struct
+
+from ..dynamics.params import Layers, layer_matrices
+from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces  # noqa: F401  (Subspaces re-exported)
+from .measures import random_subspace
 
 ORDERS = ("shifted", "plain")
 
@@ -184,34 +186,11 @@ def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:
 
 # ------------------------------------------------------------------ reference subspaces
 
-REFERENCES = ("principal", "random", "other_layer")
-
-
-@struct.dataclass
-class Subspaces:
-    """Reference subspaces for the measures inside the simulation scan.
-
-    basis (U, m, d, k): for each unique layer, m orthonormal bases zero-padded to k
-    columns; reference 0 is the principal subspace, 1 a random subspace of equal
-    dimension (control), 2 the principal subspace of another layer (control).
-    dim (U, m) int: the true dimension of each (0 = undefined).
-    """
-
-    basis: jax.Array
-    dim: jax.Array
-
-
-def null_subspaces(layers) -> Subspaces:
-    """Empty reference subspaces (every measure NaN) for ``layers`` (or a Model): for runs that
-    only need states."""
-    layers = getattr(layers, "layers", layers)
-    U, d = layers.n_unique, layers.config.d_model
-    return Subspaces(basis=jnp.zeros((U, 1, d, 1), layers.W_v.dtype), dim=jnp.zeros((U, 1), jnp.int32))
-
-
 def reference_subspaces(spectra: List[LayerSpectrum], *, order: str = "shifted", seed: int = 0,
                         dtype=jnp.float32) -> Subspaces:
-    """Principal, random-control and other-layer-control subspaces for every layer.
+    """The named references of every layer (:data:`~powerlens.dynamics.subspaces.REFERENCES`):
+    its principal subspace, a random subspace of equal dimension and another layer's
+    principal subspace, as :class:`~powerlens.dynamics.subspaces.Subspaces`.
 
     The other-layer control of layer u is the principal subspace of layer (u + U//2) mod U
     (undefined, dim 0, when there is a single layer).
@@ -221,16 +200,24 @@ def reference_subspaces(spectra: List[LayerSpectrum], *, order: str = "shifted",
     U = len(spectra)
     d = spectra[0].shifted.basis.shape[0]
     prin = [s.get(order).basis for s in spectra]
-    rand = []
-    from .measures import random_subspace
-    for b in prin:
-        rand.append(random_subspace(rng, d, b.shape[1]))
-    other = [prin[(u + max(U // 2, 1)) % U] if U > 1 else np.zeros((d, 0)) for u in range(U)]
+    refs = {"principal": prin,
+            "random": [random_subspace(rng, d, b.shape[1]) for b in prin],
+            "other_layer": [prin[(u + max(U // 2, 1)) % U] if U > 1 else np.zeros((d, 0)) for u in range(U)]}
     k = max(max(b.shape[1] for b in prin), 1)
-    basis = np.zeros((U, 3, d, k))
-    dim = np.zeros((U, 3), np.int32)
-    for u in range(U):
-        for r, b in enumerate((prin[u], rand[u], other[u])):
+    basis = np.zeros((U, len(REFERENCES), d, k))
+    dim = np.zeros((U, len(REFERENCES)), np.int32)
+    for r, name in enumerate(REFERENCES):
+        for u, b in enumerate(refs[name]):
             basis[u, r, :, : b.shape[1]] = b
             dim[u, r] = b.shape[1]
-    return Subspaces(basis=jnp.asarray(basis, dtype), dim=jnp.asarray(dim))
+    return Subspaces(basis=jnp.asarray(basis, dtype), dim=jnp.asarray(dim), names=REFERENCES)
+
+
+def sweep_subspaces(systems: Sequence[Layers], *, order: str = "shifted", seed: int = 0):
+    """Spectra of every system (a list of lists of :class:`LayerSpectrum`) and their stacked
+    reference subspaces (leading system axis S), for
+    :func:`powerlens.dynamics.sweep.simulate_sweep`; system i uses seed ``seed + i``."""
+    spectra = [layer_spectra(np.asarray(layer_matrices(s))) for s in systems]
+    subs = [reference_subspaces(sp, order=order, seed=seed + i, dtype=systems[0].W_v.dtype)
+            for i, sp in enumerate(spectra)]
+    return spectra, stack_subspaces(subs)

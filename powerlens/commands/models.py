@@ -4,12 +4,10 @@ from __future__ import annotations
 import os
 from typing import List
 
-import numpy as np
-
 from .. import io
 from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
-from ..analysis.spectra import spectra_json
+from ..analysis.spectra import ORDERS, spectra_json
 from .simulate import settings_of
 
 
@@ -70,9 +68,8 @@ def cmd_align(args) -> int:
         io.write_json(os.path.join(stage, "align.json"), doc)
         result.plot(stage, title=args.model)
     print(f"wrote {args.out}: align.json, alignment figures ({result.n_tokens} tokens, {len(texts)} prompts)")
-    for order in ("shifted", "plain"):
-        rows = result.rows[order]
-        g = np.nanmean([r["gamma"] for r in rows[1:] if r["gamma"] is not None])
-        rho = np.nanmean([r["rho"] for r in rows[1:] if r["rho"] is not None])
-        print(f"  {order:>7}: mean gamma_t={g:.3f} (chance {rows[1]['chance_gamma']:.3f}), mean rho_t={rho:.3f}")
+    for order in ORDERS:
+        s = result.summary(order)
+        print(f"  {order:>7}: mean gamma_t={s['mean_gamma']:.3f} (chance {s['mean_chance']:.3f}), "
+              f"mean rho_t={s['mean_rho']:.3f}")
     return 0

@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import io
 from ..analysis import plots
-from ..analysis.experiment import column, rows_csv, run_system
+from ..analysis.experiment import plot_measures, rows_csv, run_system
 from ..analysis.spectra import layer_spectra, spectra_json
 from ..dynamics.params import layer_matrices
 from .system import build_system, initial_tokens
@@ -20,20 +20,13 @@ def settings_of(args) -> dict:
 
 def write_run_figures(stage: str, res, *, title: str = "") -> list:
     """eigenvalues.png, alignment.png, consensus.png and trajectories.png of a run."""
-    rows = res.rows()
-    t = np.array([r["t"] for r in rows[1:]])
-    col = lambda k: column(rows, k)
+    m = res.measures
     files = [plots.plot_eigenvalues(res.spectra, os.path.join(stage, "eigenvalues.png"), title=title or None)]
-    files.append(plots.plot_alignment(
-        t, {res.order: col("gamma")}, {res.order: col("rho")}, os.path.join(stage, "alignment.png"),
-        chance=col("chance_gamma"), chance_band=col("chance_band"),
-        gamma_controls={"random subspace": col("gamma_random"), "other layer": col("gamma_other_layer")},
-        rho_controls={"random subspace": col("rho_random"), "other layer": col("rho_other_layer")},
-        xlabel="step t", title=title or None))
-    every = lambda k: column(rows, k, skip_initial=False)
+    files.append(plot_measures({res.order: m}, os.path.join(stage, "alignment.png"), xlabel="step t",
+                               title=title or None, other_layer_gamma=True))
     files.append(plots.plot_consensus(
-        every("consensus"), os.path.join(stage, "consensus.png"), rank_collapse=every("rank_collapse"),
-        pairwise_cos=every("pairwise_cos"), title=title or None))
+        m.consensus, os.path.join(stage, "consensus.png"), rank_collapse=m.rank_collapse,
+        pairwise_cos=m.pairwise_cos, title=title or None))
     if res.states is not None:
         u = res.schedule[-1]
         plane = res.spectra[u].get(res.order).plane
@@ -48,7 +41,7 @@ def cmd_simulate(args) -> int:
     res = run_system(layers, x0, rule=args.rule, attention=args.attention, order=args.order,
                      keep_bias=args.keep_bias or None, seed=args.seed, save_states=args.save_states,
                      progress=not args.quiet)
-    rows = res.rows()
+    rows = res.measures.rows()
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "steps": rows,
            "layers": spectra_json(res.spectra)}
     with io.output_dir(args.out) as stage:

@@ -8,8 +8,9 @@ Modes (design.md §1):
     uniform   A = 1/n over the valid tokens, or the causal mean over j <= i.
     identity  A = I.
 
-All functions are written for one prompt, X (n, d), ``valid`` (n,) bool, and are
-batched with ``vmap``.
+All functions are written for one prompt, X "float[n d]", ``valid`` "bool[n]", and are
+batched with ``vmap``. Softmax attention has one implementation: q, k and v come from one
+fused projection (:func:`qkv_weight`), then the masked softmax.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def check_attention(mode: str) -> str:
 
 
 def allowed_keys(n: int, valid, *, causal: bool, window=0):
-    """Boolean (n, n): may query i attend to key j."""
+    """"bool[n n]": may query i attend to key j."""
     i = jnp.arange(n)[:, None]
     j = jnp.arange(n)[None, :]
     ok = jnp.broadcast_to(valid[None, :], (n, n))
@@ -44,7 +45,7 @@ def rotate_half(x):
 
 
 def apply_rope(x, positions, theta: float, rope_dim=None):
-    """Hugging Face (``rotate_half``) rotary embedding on the last axis of x (..., n, e)."""
+    """Hugging Face (``rotate_half``) rotary embedding on the last axis of x "float[... n e]"."""
     e = x.shape[-1]
     r = e if rope_dim is None else rope_dim
     inv_freq = 1.0 / (theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
@@ -56,32 +57,8 @@ def apply_rope(x, positions, theta: float, rope_dim=None):
     return jnp.concatenate([xr, xp], axis=-1) if r < e else xr
 
 
-def queries_keys(lp, X, positions):
-    """q (H, n, e) and k (H, n, e) of one layer, with biases and RoPE; k expanded to H heads."""
-    cfg = lp.config
-    q = jnp.einsum("hed,nd->hne", lp.W_q, X)
-    k = jnp.einsum("ged,nd->gne", lp.W_k, X)
-    if lp.b_q is not None:
-        q = q + lp.b_q[:, None, :]
-    if lp.b_k is not None:
-        k = k + lp.b_k[:, None, :]
-    if cfg.rope_theta is not None:
-        q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_dim)
-        k = apply_rope(k, positions, cfg.rope_theta, cfg.rope_dim)
-    return q, jnp.repeat(k, cfg.kv_group, axis=0)
-
-
-def softmax_weights(lp, X, valid, positions=None):
-    """Softmax attention weights of one layer: (H, n, n), rows sum to 1."""
-    n = X.shape[0]
-    if positions is None:
-        positions = jnp.arange(n)
-    q, k = queries_keys(lp, X, positions)
-    return masked_softmax(lp, jnp.einsum("hie,hje->hij", q, k), valid)
-
-
 def masked_softmax(lp, qk, valid):
-    """softmax(scale * qk + mask) over keys: qk (H, n, n) raw scores q_i . k_j."""
+    """softmax(scale * qk + mask) over keys: qk "float[H n n]" raw scores q_i . k_j."""
     n = qk.shape[-1]
     s = lp.scale * qk
     ok = allowed_keys(n, valid, causal=lp.config.causal, window=lp.window)
@@ -89,17 +66,16 @@ def masked_softmax(lp, qk, valid):
     return jax.nn.softmax(s, axis=-1)
 
 
-def qkv_weight(lp):
-    """W_q, W_k, W_v stacked for a single projection: ((H + 2G) e, d)."""
-    return jnp.concatenate([a.reshape(-1, a.shape[-1]) for a in (lp.W_q, lp.W_k, lp.W_v)])
+def qkv_weight(layers):
+    """W_q, W_k, W_v stacked for one fused projection: "float[(H+2G)e d]" for one layer, or
+    "float[U (H+2G)e d]" for stacked layers (built once per unique layer by ``run``)."""
+    flat = lambda a: a.reshape(a.shape[:-3] + (-1, a.shape[-1]))
+    return jnp.concatenate([flat(a) for a in (layers.W_q, layers.W_k, layers.W_v)], axis=-2)
 
 
-def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
-    """M (n, H, e) with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention, from one
-    fused projection X @ qkv^T (qkv = :func:`qkv_weight`, precomputed by loops that reuse it).
-
-    Same maths as :func:`softmax_weights` followed by A_h (X W_vg^T), in token-major layout.
-    """
+def _softmax_qkv(lp, X, positions=None, qkv=None):
+    """q, k, v "float[n H e]" of one layer from one fused projection X @ qkv^T, with the
+    q/k biases and RoPE; key/value heads repeated to the H query heads."""
     cfg = lp.config
     if lp.W_q is None or lp.W_k is None:
         raise ValueError("softmax attention needs W_q and W_k, and this system has none: "
@@ -123,23 +99,31 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     if cfg.kv_group > 1:
         k = jnp.repeat(k, cfg.kv_group, axis=1)
         v = jnp.repeat(v, cfg.kv_group, axis=1)
+    return q, k, v
+
+
+def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
+    """M "float[n H e]" with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention.
+
+    ``qkv``: the fused weight of :func:`qkv_weight`, precomputed by loops that reuse it.
+    """
+    q, k, v = _softmax_qkv(lp, X, positions, qkv)
     A = masked_softmax(lp, jnp.einsum("ihe,jhe->hij", q, k), valid)     # (H, n, n)
     return jnp.einsum("hij,jhe->ihe", A, v)
 
 
 def uniform_weights(n: int, valid, causal: bool, dtype=jnp.float32):
-    """Uniform attention (n, n): mean over the valid (and, if causal, earlier) tokens."""
+    """Uniform attention "float[n n]": mean over the valid (and, if causal, earlier) tokens."""
     ok = allowed_keys(n, valid, causal=causal).astype(dtype)
     return ok / jnp.maximum(ok.sum(-1, keepdims=True), 1)
 
 
-def attention_weights(lp, X, valid, mode: str, positions=None):
-    """A of one layer in the given mode: (H, n, n) for softmax, (1, n, n) otherwise."""
+def attention_weights(lp, X, valid, mode: str):
+    """A "float[n n]" of the head-independent modes ``uniform`` and ``identity`` (softmax
+    weights differ per head and are formed inside :func:`softmax_attention_mix`)."""
     n = X.shape[0]
-    if mode == "softmax":
-        return softmax_weights(lp, X, valid, positions)
     if mode == "uniform":
-        return uniform_weights(n, valid, lp.config.causal, X.dtype)[None]
+        return uniform_weights(n, valid, lp.config.causal, X.dtype)
     if mode == "identity":
-        return jnp.eye(n, dtype=X.dtype)[None]
-    raise ValueError(f"unknown attention mode {mode!r}; expected one of {ATTENTION_MODES}")
+        return jnp.eye(n, dtype=X.dtype)
+    raise ValueError(f"attention_weights takes 'uniform' or 'identity', got {mode!r}")

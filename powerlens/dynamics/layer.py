@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .attention import attention_weights, check_attention, softmax_attention_mix
 from .norms import apply_norm, l2_normalize
+from .params import Layer
 
 RULES = ("paper", "post_ln", "pre_ln", "full")
 
@@ -33,9 +34,9 @@ def default_keep_bias(rule: str) -> bool:
     return rule != "paper"
 
 
-def attention_output(lp, X, valid, *, attention: str = "softmax", keep_bias: bool = False, positions=None,
-                     qkv=None):
-    """attn(X) of one layer: (n, d).
+def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
+                     keep_bias: bool = False, positions: "int[n] | None" = None, qkv=None) -> "float[n d]":
+    """attn(X) of one layer: "float[n d]".
 
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
     heads and projected by W_o, so the cost is that of a standard attention layer. For
@@ -47,7 +48,7 @@ def attention_output(lp, X, valid, *, attention: str = "softmax", keep_bias: boo
     if attention == "softmax":
         M = softmax_attention_mix(lp, X, valid, positions, qkv)        # (n, H, e)
     else:
-        A = attention_weights(lp, X, valid, attention, positions)[0]   # (n, n), shared by all heads
+        A = attention_weights(lp, X, valid, attention)                 # (n, n), shared by all heads
         V = X @ lp.W_v.reshape(-1, X.shape[-1]).T                      # (n, G e)
         M = (A @ V).reshape(n, cfg.n_kv_heads, cfg.d_head)
         if cfg.kv_group > 1:
@@ -69,8 +70,8 @@ def _norm(lp, X, which: str):
     return apply_norm(cfg.norm, X, scale, bias, cfg.norm_eps)
 
 
-def ffn(lp, X):
-    """The block's feed-forward network (n, d) -> (n, d)."""
+def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
+    """The block's feed-forward network "float[n d]" -> "float[n d]"."""
     act = lp.config.ffn_activation
     if act is None or lp.W_in is None or lp.W_out is None:
         raise ValueError("rule 'full' needs FFN parameters (W_in, W_out and ffn_activation); "
@@ -93,10 +94,10 @@ def ffn(lp, X):
     return out
 
 
-def layer_step(lp, X, valid, *, rule: str = "paper", attention: str = "softmax",
-               keep_bias: bool | None = None, positions=None, qkv=None):
-    """Apply one layer under ``rule``: (n, d) -> (n, d). ``qkv``: optional precomputed
-    fused projection weight (see :func:`attention_output`)."""
+def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "paper", attention: str = "softmax",
+               keep_bias: bool | None = None, positions: "int[n] | None" = None, qkv=None) -> "float[n d]":
+    """Apply one layer under ``rule``: "float[n d]" -> "float[n d]". ``qkv``: optional
+    precomputed fused projection weight (see :func:`attention_output`)."""
     check_rule(rule)
     check_attention(attention)
     if keep_bias is None:

@@ -53,7 +53,6 @@ class LayerConfig:
       ffn_activation: activation of the FFN for rule ``full`` (``None`` if absent).
       schedule: static tuple of unique-layer indices applied one per step.
       family: free-form family name, for reports.
-      parallel_residual: GPT-J/NeoX-style block (not used by the supported families).
     """
 
     d_model: int
@@ -133,7 +132,7 @@ class Layers:
     def schedule(self) -> Tuple[int, ...]:
         return self.config.steps_for(self.n_unique)
 
-    def layer(self, i) -> "Layers":
+    def layer(self, i) -> "Layer":
         """The parameters of unique layer ``i`` with the leading axis removed."""
         return jax.tree_util.tree_map(lambda a: a[i], self)
 
@@ -145,6 +144,14 @@ class Layers:
         if bad:
             raise ValueError(f"schedule refers to layer(s) {sorted(set(bad))} but only {self.n_unique} exist")
         return self.replace(config=dataclasses.replace(self.config, schedule=sched))
+
+    def select(self, schedule) -> "Layers":
+        """Only the unique layers that ``schedule`` (a tuple of indices) applies, with the
+        schedule renumbered onto them: the same dynamics without the unused layers' arrays."""
+        used = sorted({int(s) for s in schedule})
+        sub = jax.tree_util.tree_map(lambda a: a[np.asarray(used)], self)
+        return sub.replace(config=dataclasses.replace(self.config, schedule=tuple(used.index(int(s))
+                                                                                 for s in schedule)))
 
     def shared(self, layer: int, steps: int) -> "Layers":
         """Unique layer ``layer`` iterated ``steps`` times as a shared-weight system.
@@ -158,6 +165,11 @@ class Layers:
         return one.replace(config=dataclasses.replace(self.config, schedule=(0,) * int(steps)))
 
 
+Layer = Layers
+"""One unique layer: a :class:`Layers` with the leading axis removed (``layers.layer(u)``),
+so W_q "float[H e d]", W_o "float[d H*e]", scale "float[]", and so on (module docstring)."""
+
+
 def check_steps(steps) -> int:
     if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps <= 0:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
@@ -165,7 +177,7 @@ def check_steps(steps) -> int:
 
 
 def value_matrix(layers: Layers) -> jax.Array:
-    """V_cat expanded to the query heads: (U, H*e, d).
+    """V_cat expanded to the query heads: "float[U H*e d]".
 
     With grouped-query attention key/value head g serves query heads
     ``g*group, ..., g*group + group - 1`` (Hugging Face ``repeat_kv`` order).
@@ -177,12 +189,12 @@ def value_matrix(layers: Layers) -> jax.Array:
 
 
 def layer_matrices(layers: Layers) -> jax.Array:
-    """F_t = W_o @ V_cat for every unique layer: (U, d, d)."""
+    """F_t = W_o @ V_cat for every unique layer: "float[U d d]"."""
     return jnp.einsum("udk,ukc->udc", layers.W_o, value_matrix(layers))
 
 
 def constant_term(layers: Layers) -> jax.Array:
-    """c = O b_v + b_o (U, d): the part of the attention output that does not depend on X."""
+    """c = O b_v + b_o "float[U d]": the part of the attention output that does not depend on X."""
     U, d = layers.W_o.shape[0], layers.W_o.shape[1]
     c = jnp.zeros((U, d), layers.W_o.dtype)
     if layers.b_v is not None:
@@ -193,11 +205,28 @@ def constant_term(layers: Layers) -> jax.Array:
     return c
 
 
+def _ffn_shapes(arrays: dict, U: int, d: int) -> dict:
+    """Expected shapes of the FFN arrays, with f read off W_in (or W_out when W_in is absent)."""
+    W_in, W_out = arrays.get("W_in"), arrays.get("W_out")
+    if W_in is not None:
+        if np.ndim(W_in) != 3:
+            raise ValueError(f"W_in must have shape (L, f, d), got {tuple(np.shape(W_in))}")
+        f = np.shape(W_in)[1]
+    elif W_out is not None:
+        if np.ndim(W_out) != 3:
+            raise ValueError(f"W_out must have shape (L, d, f), got {tuple(np.shape(W_out))}")
+        f = np.shape(W_out)[2]
+    else:
+        return {}
+    return {"W_in": (U, f, d), "b_in": (U, f), "W_gate": (U, f, d), "W_out": (U, d, f), "b_out": (U, d)}
+
+
 def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config=None, **arrays) -> Layers:
     """Build validated :class:`Layers` from per-layer arrays (leading layer axis required).
 
     ``config`` defaults to a synthetic ``l2`` system with sizes read off the shapes.
-    Every shape is checked and every array must be finite; errors name the array.
+    Every shape is checked (the FFN width f is read off W_in, or W_out without W_in) and
+    every array must be finite; errors name the array.
     """
     W_v = jnp.asarray(W_v)
     W_o = jnp.asarray(W_o)
@@ -220,6 +249,7 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
         "b_q": (U, cfg.n_heads, e), "b_k": (U, cfg.n_kv_heads, e), "b_v": (U, cfg.n_kv_heads, e), "b_o": (U, d),
         "norm_scale": (U, d), "norm_bias": (U, d), "ffn_norm_scale": (U, d), "ffn_norm_bias": (U, d),
     }
+    expect.update(_ffn_shapes(arrays, U, d))
     if (e, d) != (cfg.d_head, cfg.d_model):
         raise ValueError(f"W_v has d_head={e}, d={d} but the config says d_head={cfg.d_head}, d={cfg.d_model}")
     fields = dict(arrays, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o)

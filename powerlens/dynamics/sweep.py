@@ -1,7 +1,12 @@
-"""Sweeps: many systems of the same shapes simulated in one ``jit(vmap(...))`` call.
+"""Sweeps: many systems of the same shapes simulated in one ``jit(vmap(simulate))`` call.
 
     stack_systems([layers_1, ..., layers_S]) -> Layers with a leading system axis (S, U, ...)
-    simulate_sweep(stacked, X0 (S, n, d), subspaces (S, ...)) -> Trajectory with leading S
+    simulate_sweep(stacked, X0 "float[S n d]", subspaces (leading S)) -> Trajectory with leading S
+
+Each system runs :func:`~powerlens.dynamics.simulate.simulate`, i.e. the one scan of
+:func:`~powerlens.dynamics.run`. The reference subspaces of each system come from its
+spectrum (:func:`powerlens.analysis.spectra.sweep_subspaces`), stacked with
+:func:`~powerlens.dynamics.subspaces.stack_subspaces`.
 """
 from __future__ import annotations
 
@@ -12,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..analysis.spectra import Subspaces, layer_spectra, reference_subspaces
-from .params import Layers, layer_matrices
+from .params import Layers
 from .simulate import Trajectory, simulate
+from .subspaces import Subspaces
 
 
 def stack_systems(systems: Sequence[Layers]) -> Layers:
@@ -26,20 +31,6 @@ def stack_systems(systems: Sequence[Layers]) -> Layers:
         if s.config != cfg:
             raise ValueError(f"system {i} has a different static config than system 0; sweeps need equal shapes")
     return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *systems)
-
-
-def stack_subspaces(subs: Sequence[Subspaces]) -> Subspaces:
-    k = max(int(s.basis.shape[-1]) for s in subs)
-    pad = lambda b: jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, k - b.shape[-1])])
-    return Subspaces(basis=jnp.stack([pad(s.basis) for s in subs]), dim=jnp.stack([s.dim for s in subs]))
-
-
-def sweep_subspaces(systems: Sequence[Layers], *, order: str = "shifted", seed: int = 0):
-    """Spectra and stacked reference subspaces of every system."""
-    spectra = [layer_spectra(np.asarray(layer_matrices(s))) for s in systems]
-    subs = [reference_subspaces(sp, order=order, seed=seed + i, dtype=systems[0].W_v.dtype)
-            for i, sp in enumerate(spectra)]
-    return spectra, stack_subspaces(subs)
 
 
 def _sweep(stacked, X0, subspaces, valid, *, rule, attention, keep_bias, save_states):
@@ -63,7 +54,7 @@ def _sharded_sweep(ndev: int, rule, attention, keep_bias, save_states):
 def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, rule: str = "paper",
                    attention: str = "softmax", keep_bias: Optional[bool] = None,
                    save_states: bool = False, shard: bool = True) -> Trajectory:
-    """Simulate S systems, one prompt X0[s] (n, d) each, in one jit/vmap call.
+    """Simulate S systems, one prompt X0[s] "float[n d]" each, in one jit/vmap call.
 
     With several devices (GPUs, TPU cores, or CPU cores exposed as host devices with
     ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` set before jax is imported) and

@@ -29,9 +29,16 @@ from typing import Optional, Tuple
 
 from ..dynamics.params import LayerConfig
 from .base import Model, ModelInfo, register
-from .bert import (EMBEDDING_NAMES, ffn_activation, head_sizes, read_embeddings, read_layers,
-                   reject_unhandled, require, tokenizer_folder, where)
+from .bert import EMBEDDING_NAMES, ENCODER_HANDLED, ENCODER_NEUTRAL, ENCODER_ONLY, encoder_sizes, read_layers
+from .convert import activation, check_config, config_file, read_tensors, require, tokenizer_folder
+from .layout import LINEAR
 from .reader import CheckpointError, TensorReader
+
+ALBERT_HANDLED = ENCODER_HANDLED | {"embedding_size", "num_hidden_groups", "inner_group_num"}
+ALBERT_NEUTRAL = ENCODER_NEUTRAL | {"classifier_dropout_prob"}
+# keys of the original ALBERT configs that Hugging Face never implemented: accepted at their defaults only
+ALBERT_ONLY = dict(ENCODER_ONLY, down_scale_factor=(1,), gap_size=(0,), net_structure_type=(0,),
+                   num_memory_blocks=(0,))
 
 _P = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 ALBERT_NAMES = {
@@ -81,29 +88,21 @@ def hidden_state_steps(n_layers: int, inner: int, every_inner: Optional[bool] = 
     return tuple(inner * (i + 1) for i in range(n_layers))
 
 
-@register("albert")
+@register("albert", output_layout=LINEAR)
 def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") -> Model:
     """ALBERT -> Model with U = G*I unique layers and the outer-layer schedule."""
-    reject_unhandled(config, reader)
-    d = require(config, "hidden_size", reader)
-    E = require(config, "embedding_size", reader)
-    H = require(config, "num_attention_heads", reader)
-    L = require(config, "num_hidden_layers", reader)
-    G = require(config, "num_hidden_groups", reader) if "num_hidden_groups" in config else 1
-    I = require(config, "inner_group_num", reader) if "inner_group_num" in config else 1
-    f = require(config, "intermediate_size", reader)
-    V = require(config, "vocab_size", reader)
-    P = require(config, "max_position_embeddings", reader)
-    T = require(config, "type_vocab_size", reader) if "type_vocab_size" in config else 2
+    src = config_file(reader)
+    check_config(config, src, "albert", handled=ALBERT_HANDLED, neutral=ALBERT_NEUTRAL, only=ALBERT_ONLY)
+    d, H, e, L, f, V, P, T, eps = encoder_sizes(config, src)
+    E = require(config, "embedding_size", src)
+    G = require(config, "num_hidden_groups", src, default=1)
+    I = require(config, "inner_group_num", src, default=1)
     if G > L:
-        raise CheckpointError(f"{where(reader)}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
-    eps = float(require(config, "layer_norm_eps", reader, kind=float)) if "layer_norm_eps" in config else 1e-12
-    e = head_sizes(d, H, reader)
-    act = ffn_activation(config, reader, key="hidden_act") if "hidden_act" in config else "gelu_new"
-    emb = read_embeddings(reader, EMBEDDING_NAMES,
-                          {"word": (V, E), "position": (P, E), "token_type": (T, E),
-                           "norm_scale": (E,), "norm_bias": (E,)})
-    emb.update(read_embeddings(
+        raise CheckpointError(f"{src}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
+    act = activation(config, "hidden_act", src, "gelu_new")
+    emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, E), "position": (P, E), "token_type": (T, E),
+                                                 "norm_scale": (E,), "norm_bias": (E,)})
+    emb.update(read_tensors(
         reader, {"project_W": "encoder.embedding_hidden_mapping_in.weight",
                  "project_b": "encoder.embedding_hidden_mapping_in.bias"},
         {"project_W": (d, E), "project_b": (d,)}))

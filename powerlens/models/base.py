@@ -1,8 +1,13 @@
 """The loaded model: static facts + pytrees of arrays, and the converter registry.
 
-A converter turns (Hugging Face ``config.json`` dict, :class:`TensorReader`, dtype)
-into a :class:`Model`. It must reject (``CheckpointError``, naming it) any
-architecture or config attribute that changes the maths and is not handled.
+A converter is called as ``convert(config, reader, dtype, name)``: the Hugging Face
+``config.json`` dict, a :class:`~powerlens.models.reader.TensorReader` on the folder, the
+NumPy float dtype to load in, and the name the model was asked for (reports). It returns
+a :class:`Model`. It checks ``config.json`` against its allow-list
+(:func:`powerlens.models.convert.check_config`) and rejects, with a ``CheckpointError``
+naming the file and the attribute, anything that would change the maths and that it does
+not handle. Registering a converter also declares how its family stores the attention
+output projection (:mod:`powerlens.models.layout`).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from ..dynamics.params import Layers
+from .layout import declare_output_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +83,14 @@ Converter = Callable[[dict, "TensorReader", np.dtype, str], Model]
 CONVERTERS: Dict[str, Converter] = {}
 
 
-def register(*model_types: str):
-    """Register a converter for Hugging Face ``model_type`` values."""
+def register(*model_types: str, output_layout: str):
+    """Register a converter for Hugging Face ``model_type`` values (also the family names).
+
+    ``output_layout``: how these checkpoints store W_o, ``layout.LINEAR`` (d, H e) or
+    ``layout.CONV1D`` (H e, d); see :func:`powerlens.models.layout.checkpoint_delta`.
+    """
+    declare_output_layout(output_layout, *model_types)
+
     def deco(fn):
         for t in model_types:
             CONVERTERS[t] = fn

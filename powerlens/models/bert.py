@@ -23,27 +23,34 @@ by the reader)::
     DistilBERT    layer.{i}.attention.{q_lin,k_lin,v_lin,out_lin}, layer.{i}.sa_layer_norm,
                   layer.{i}.ffn.{lin1,lin2}, layer.{i}.output_layer_norm
 
-The encoder helpers here (:func:`read_layers`, :func:`ffn_activation`,
-:func:`reject_unhandled`, :func:`tokenizer_folder`) are shared with the ALBERT converter.
+The encoder helpers here (:func:`read_layers`, the shared allow-lists) are used by the
+ALBERT converter too; what every converter shares is in :mod:`powerlens.models.convert`.
 """
 from __future__ import annotations
 
-import os
-from typing import Callable, Dict, Optional, Tuple
-
-import jax
-import numpy as np
+from typing import Callable, Dict, Tuple
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
 from .base import Model, ModelInfo, register
-from .reader import CheckpointError, TensorReader, aligned_empty, to_device
+from .convert import (Stack, activation, check_config, config_file, head_size, read_tensors, require, require_all,
+                      tokenizer_folder)
+from .layout import LINEAR
+from .reader import CheckpointError, TensorReader
 
-# Hugging Face ``hidden_act`` -> powerlens ffn_activation. ``gelu_pytorch_tanh`` is the
-# same tanh approximation as ``gelu_new``.
-ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
-                   "spiece.model", "sentencepiece.bpe.model")
+# ---------------------------------------------------------------------- config allow-lists
+# read by every encoder converter (BERT, RoBERTa, ALBERT)
+ENCODER_HANDLED = frozenset({"hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                             "vocab_size", "max_position_embeddings", "type_vocab_size", "layer_norm_eps",
+                             "hidden_act", "pad_token_id", "bos_token_id"})
+# no effect on the encoder's forward pass: dropout, and the tied MLM head powerlens never runs
+ENCODER_NEUTRAL = frozenset({"hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
+                             "tie_word_embeddings"})
+# accepted only at the default: relative position scores change the attention logits
+ENCODER_ONLY = {"position_embedding_type": ("absolute",)}
+DISTILBERT_HANDLED = frozenset({"dim", "n_heads", "n_layers", "hidden_dim", "vocab_size", "max_position_embeddings",
+                                "activation", "pad_token_id", "sinusoidal_pos_embds"})
+DISTILBERT_NEUTRAL = frozenset({"dropout", "attention_dropout", "qa_dropout", "seq_classif_dropout", "tie_weights_",
+                                "tie_word_embeddings"})
 
 # field -> (stored per-layer shape, target per-layer shape) as functions of (H, e, d, f)
 _SHAPES: Dict[str, Callable[[int, int, int, int], Tuple[Tuple[int, ...], Tuple[int, ...]]]] = {
@@ -112,132 +119,57 @@ EMBEDDING_NAMES = {
 }
 
 
-# ---------------------------------------------------------------------- config checks
-def where(reader: TensorReader) -> str:
-    return os.path.join(reader.folder, "config.json")
-
-
-def require(config: dict, key: str, reader: TensorReader, *, kind=int):
-    """``config[key]`` as ``kind``; a CheckpointError naming the key when absent or invalid."""
-    if key not in config or config[key] is None:
-        raise CheckpointError(f"{where(reader)}: required attribute {key!r} is missing")
-    value = config[key]
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{where(reader)}: {key}={value!r} must be a positive integer")
-    elif kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-            raise CheckpointError(f"{where(reader)}: {key}={value!r} must be a positive number")
-    return value
-
-
-def ffn_activation(config: dict, reader: TensorReader, key: str = "hidden_act") -> str:
-    """Map the checkpoint's activation name to a powerlens ``ffn_activation``."""
-    act = config.get(key, "gelu")
-    if not isinstance(act, str) or act not in ACTIVATIONS:
-        raise CheckpointError(
-            f"{where(reader)}: unsupported activation {key}={act!r} "
-            f"(supported: {', '.join(sorted(ACTIVATIONS))})")
-    return ACTIVATIONS[act]
-
-
-def reject_unhandled(config: dict, reader: TensorReader, *, extra: Dict[str, object] = ()) -> None:
-    """Reject config attributes that change the maths and that the converters do not model.
-
-    ``position_embedding_type`` other than ``absolute`` (relative position scores),
-    ``is_decoder`` / ``add_cross_attention`` (causal or cross attention), and any
-    ``extra`` attribute whose value differs from the given allowed value.
-    """
-    pet = config.get("position_embedding_type", "absolute")
-    if pet not in (None, "absolute"):
-        raise CheckpointError(
-            f"{where(reader)}: position_embedding_type={pet!r} is not supported (only 'absolute')")
-    for key in ("is_decoder", "add_cross_attention"):
-        if config.get(key):
-            raise CheckpointError(
-                f"{where(reader)}: {key}=True is not supported (encoder self-attention only)")
-    for key, allowed in dict(extra).items():
-        if key in config and config[key] not in (None, allowed):
-            raise CheckpointError(f"{where(reader)}: {key}={config[key]!r} is not supported (only {allowed!r})")
-
-
-def tokenizer_folder(folder: str) -> Optional[str]:
-    """The folder itself when it holds tokenizer files (for ``AutoTokenizer``), else None."""
-    return folder if any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES) else None
-
-
-def head_sizes(d: int, H: int, reader: TensorReader, *, d_key="hidden_size", h_key="num_attention_heads"):
-    if d % H:
-        raise CheckpointError(f"{where(reader)}: {d_key}={d} is not a multiple of {h_key}={H}")
-    return d // H
-
-
 # ---------------------------------------------------------------------- tensors
-def read_stacked(reader: TensorReader, template: str, indices, stored, target) -> jax.Array:
-    """Stack one tensor over layers: (U,) + target.
-
-    ``indices`` is a list of format dicts, one per unique layer. Each layer's tensor is
-    read straight from the file into its slot of an aligned stacked array, which JAX
-    then aliases on the CPU (:func:`~powerlens.models.reader.to_device`): every weight
-    is held once while loading.
-    """
-    out = aligned_empty((len(indices),) + tuple(target), reader.dtype)
-    for u, idx in enumerate(indices):
-        reader.get(template.format(**idx), stored, out=out[u].reshape(stored))
-    return to_device(out)
-
-
 def read_layers(reader: TensorReader, names: Dict[str, str], indices, config: LayerConfig,
                 f: int) -> Layers:
-    """Read every field of ``names`` for the unique layers ``indices`` into :class:`Layers`."""
+    """Read every field of ``names`` for the unique layers ``indices`` into :class:`Layers`.
+
+    ``names``: field -> tensor-name template, formatted with each dict of ``indices`` (one
+    per unique layer). Each tensor is read straight into its slot of a stacked (U, ...)
+    array (:class:`~powerlens.models.convert.Stack`), which goes to JAX when full.
+    """
     H, e, d = config.n_heads, config.d_head, config.d_model
-    fields = {}
+    shapes = {field: _SHAPES[field](H, e, d, f) for field in names}     # (stored, target)
+    st = Stack(len(indices), reader.dtype, {field: target for field, (_, target) in shapes.items()})
     for field, template in names.items():
-        stored, target = _SHAPES[field](H, e, d, f)
-        fields[field] = read_stacked(reader, template, indices, stored, target)
+        for u, idx in enumerate(indices):
+            st.read(field, u, reader, template.format(**idx), shapes[field][0])
+        st.done(field)
     try:
-        return make_layers(config=config, **fields)
+        return make_layers(config=config, **st.finish())
     except ValueError as exc:  # pragma: no cover - the reader already checks shapes/finiteness
         raise CheckpointError(f"{reader.folder}: {exc}") from exc
 
 
-def read_embeddings(reader: TensorReader, names: Dict[str, str], shapes: Dict[str, Tuple[int, ...]]):
-    """The embedding tables named in ``names`` (key -> tensor name) with the given shapes."""
-    out = {}
-    for key, name in names.items():
-        out[key] = to_device(reader.get(name, shapes[key]))
-    return out
-
-
 # ---------------------------------------------------------------------- converters
-@register("bert", "roberta")
+def encoder_sizes(config: dict, source: str):
+    """(d, H, e, L, f, V, P, T, eps) of a BERT-like config (BERT, RoBERTa, ALBERT)."""
+    d, H, L, f, V, P = require_all(config, source, d="hidden_size", H="num_attention_heads", L="num_hidden_layers",
+                                   f="intermediate_size", V="vocab_size", P="max_position_embeddings")
+    T = require(config, "type_vocab_size", source, default=2)
+    eps = require(config, "layer_norm_eps", source, kind=float, default=1e-12)
+    return d, H, head_size(d, H, source), L, f, V, P, T, eps
+
+
+@register("bert", "roberta", output_layout=LINEAR)
 def convert_bert(config: dict, reader: TensorReader, dtype, name: str = "") -> Model:
     """BERT or RoBERTa (``model_type`` decides the position offset) -> Model."""
     family = config.get("model_type", "bert")
-    reject_unhandled(config, reader)
-    d = require(config, "hidden_size", reader)
-    H = require(config, "num_attention_heads", reader)
-    L = require(config, "num_hidden_layers", reader)
-    f = require(config, "intermediate_size", reader)
-    V = require(config, "vocab_size", reader)
-    P = require(config, "max_position_embeddings", reader)
-    T = require(config, "type_vocab_size", reader) if "type_vocab_size" in config else 2
-    eps = float(require(config, "layer_norm_eps", reader, kind=float)) if "layer_norm_eps" in config else 1e-12
-    e = head_sizes(d, H, reader)
-    act = ffn_activation(config, reader)
+    src = config_file(reader)
+    check_config(config, src, family, handled=ENCODER_HANDLED, neutral=ENCODER_NEUTRAL, only=ENCODER_ONLY)
+    d, H, e, L, f, V, P, T, eps = encoder_sizes(config, src)
+    act = activation(config, "hidden_act", src, "gelu")
     pad = config.get("pad_token_id", 1 if family == "roberta" else 0)
     offset = 0
     if family == "roberta":
         if pad is None:
-            raise CheckpointError(f"{where(reader)}: RoBERTa needs pad_token_id (its positions start after it)")
+            raise CheckpointError(f"{src}: RoBERTa needs pad_token_id (its positions start after it)")
         offset = int(pad) + 1
         if offset >= P:
-            raise CheckpointError(
-                f"{where(reader)}: pad_token_id={pad} leaves no positions out of max_position_embeddings={P}")
+            raise CheckpointError(f"{src}: pad_token_id={pad} leaves no positions out of max_position_embeddings={P}")
     # embeddings first, while nothing else is resident (keeps peak memory low)
-    emb = read_embeddings(reader, EMBEDDING_NAMES,
-                          {"word": (V, d), "position": (P, d), "token_type": (T, d),
-                           "norm_scale": (d,), "norm_bias": (d,)})
+    emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, d), "position": (P, d), "token_type": (T, d),
+                                                 "norm_scale": (d,), "norm_bias": (d,)})
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
                       norm_placement="post", ffn_activation=act, family=family)
     layers = read_layers(reader, BERT_NAMES, [dict(i=i) for i in range(L)], cfg, f)
@@ -247,25 +179,23 @@ def convert_bert(config: dict, reader: TensorReader, dtype, name: str = "") -> M
     return Model(layers=layers, embeddings=emb, info=info)
 
 
-@register("distilbert")
+@register("distilbert", output_layout=LINEAR)
 def convert_distilbert(config: dict, reader: TensorReader, dtype, name: str = "") -> Model:
     """DistilBERT -> Model (LayerNorm eps fixed at 1e-12 as in Hugging Face; no token types).
 
     With ``sinusoidal_pos_embds`` the sinusoidal table is stored in the checkpoint like a
     learned one, so it is simply read.
     """
-    reject_unhandled(config, reader)
-    d = require(config, "dim", reader)
-    H = require(config, "n_heads", reader)
-    L = require(config, "n_layers", reader)
-    f = require(config, "hidden_dim", reader)
-    V = require(config, "vocab_size", reader)
-    P = require(config, "max_position_embeddings", reader)
-    e = head_sizes(d, H, reader, d_key="dim", h_key="n_heads")
-    act = ffn_activation(config, reader, key="activation")
+    src = config_file(reader)
+    check_config(config, src, "distilbert", handled=DISTILBERT_HANDLED, neutral=DISTILBERT_NEUTRAL,
+                 only=ENCODER_ONLY)
+    d, H, L, f, V, P = require_all(config, src, d="dim", H="n_heads", L="n_layers", f="hidden_dim", V="vocab_size",
+                                   P="max_position_embeddings")
+    e = head_size(d, H, src, d_key="dim", h_key="n_heads")
+    act = activation(config, "activation", src, "gelu")
     eps = 1e-12
     names = {k: v for k, v in EMBEDDING_NAMES.items() if k != "token_type"}
-    emb = read_embeddings(reader, names, {"word": (V, d), "position": (P, d), "norm_scale": (d,), "norm_bias": (d,)})
+    emb = read_tensors(reader, names, {"word": (V, d), "position": (P, d), "norm_scale": (d,), "norm_bias": (d,)})
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
                       norm_placement="post", ffn_activation=act, family="distilbert")
     layers = read_layers(reader, DISTILBERT_NAMES, [dict(i=i) for i in range(L)], cfg, f)

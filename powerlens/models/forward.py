@@ -1,23 +1,17 @@
 """The model's own forward pass (rule ``full``) and what Hugging Face calls hidden states.
 
-    hidden_states(model, x0, valid) -> (K+1, B, n, d): hs[0] = x0, hs[k] = the state after
+    hidden_states(model, x0, valid) -> "float[K+1 B n d]": hs[0] = x0, hs[k] = the state after
         the k-th recorded block (``info.hidden_state_steps``), with the final norm applied
         to the last one where Hugging Face does (GPT-2, GPT-Neo, Llama).
-    logits(model, h) -> (B, n, V) for decoders: final norm (unless already applied) then the
+    logits(model, h) -> "float[B n V]" for decoders: final norm (unless already applied) then the
         LM head (tied to the word embeddings when ``lm_head`` is None).
 """
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from ..analysis.spectra import null_subspaces  # noqa: F401  (re-exported)
-from ..dynamics.attention import check_attention
-from ..dynamics.layer import check_rule, layer_step
 from ..dynamics.norms import apply_norm
-from ..dynamics.simulate import check_batch
+from ..dynamics.run import run_batch
 from .base import Model
 
 
@@ -28,37 +22,20 @@ def final_norm(model: Model, h):
     return apply_norm(cfg.norm, h, model.final_norm_scale, model.final_norm_bias, cfg.norm_eps)
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias"))
-def _states(layers, X0, valid, *, rule, attention, keep_bias):
-    """(T+1, B, n, d): ``lax.scan`` over the schedule, the batch as a leading axis (vmap)."""
-    sched = jnp.asarray(layers.schedule, jnp.int32)
-    step_one = jax.vmap(lambda lp, X, v: layer_step(lp, X, v, rule=rule, attention=attention,
-                                                    keep_bias=keep_bias), (None, 0, 0))
+def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: str = "full",
+               attention: str = "softmax", keep_bias=None) -> "float[T+1 B n d]":
+    """All states of the model's schedule under ``rule``, x_0 first: "float[T+1 B n d]".
 
-    def step(X, u):
-        Y = step_one(layers.layer(u), X, valid)
-        return Y, Y
-
-    _, ys = jax.lax.scan(step, X0, sched)
-    return jnp.concatenate([X0[None], ys])
-
-
-def run_states(model: Model, x0, valid, *, rule: str = "full", attention: str = "softmax", keep_bias=None):
-    """All states (T+1, B, n, d) of the model's schedule under ``rule``.
-
-    States only (no measures, unlike :func:`powerlens.dynamics.simulate.simulate_batch`),
-    so it compiles and runs fast; x0 (B, n, d) or (n, d), valid (B, n) or (n,).
+    States only (the ``states()`` observer of :func:`powerlens.dynamics.run`, no measures),
+    so it compiles and runs fast; x0 "float[B n d]" or "float[n d]", valid "bool[B n]" or "bool[n]".
     """
-    check_rule(rule)
-    check_attention(attention)
-    layers = model.layers
-    X0, valid = check_batch(x0, valid, layers.config.d_model)
-    return _states(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid),
-                   rule=rule, attention=attention, keep_bias=keep_bias)
+    out = run_batch(model.layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                    observe=("states",))
+    return jnp.swapaxes(out["states"], 0, 1)
 
 
-def hidden_states(model: Model, x0, valid):
-    """Hugging Face's ``hidden_states`` tuple as one array (K+1, B, n, d)."""
+def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> "float[K+1 B n d]":
+    """Hugging Face's ``hidden_states`` tuple as one array "float[K+1 B n d]"."""
     states = run_states(model, x0, valid)
     steps = model.info.hidden_state_steps if model.info and model.info.hidden_state_steps else None
     if steps is not None:
@@ -68,8 +45,8 @@ def hidden_states(model: Model, x0, valid):
     return states
 
 
-def logits(model: Model, h, *, normed: bool = False):
-    """Next-token logits (B, n, V) from the last hidden state h (B, n, d)."""
+def logits(model: Model, h: "float[B n d]", *, normed: bool = False) -> "float[B n V]":
+    """Next-token logits "float[B n V]" from the last hidden state h "float[B n d]"."""
     if not normed:
         h = final_norm(model, h)
     W = model.lm_head if model.lm_head is not None else model.embeddings["word"]

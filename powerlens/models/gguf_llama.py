@@ -37,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .base import Model
-from .gpt2 import Stack, to_device
+from .convert import Stack, to_device
 from .llama import llama_info, llama_model, llama_shapes
+from .gguf_tokenizer import gguf_tokenizer, remember_tokenizer  # noqa: F401  (gguf_tokenizer re-exported)
 from .reader import CheckpointError
 
 
@@ -237,24 +238,10 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
                 f.get(f"blk.{i}.{suffix}", shape, slot)
         st.done(key)
         f.release_pages()
-    info = llama_info(source=path, tokenizer=path, max_positions=int(ctx) if ctx else None,
+    has_tokenizer = remember_tokenizer(f)          # read now: the tokenizer never parses the file again
+    info = llama_info(source=path, tokenizer=path if has_tokenizer else None, max_positions=int(ctx) if ctx else None,
                       pad=f.meta("tokenizer.ggml.padding_token_id"), bos=f.meta("tokenizer.ggml.bos_token_id"),
                       name=name or os.path.basename(path))
     return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act="silu_glu", embeddings={"word": word},
                        final_norm=jnp.asarray(f.get("output_norm.weight", (d,)).astype(dtype)), head=head,
                        info=info)
-
-
-def gguf_tokenizer(path: str):
-    """The tokenizer stored in a GGUF file, as a Hugging Face tokenizer (offline).
-
-    Built by ``transformers`` from the GGUF vocabulary and merges
-    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``): ``tok(text)["input_ids"]``,
-    ``tok.decode(ids)``.
-    """
-    from transformers import AutoTokenizer
-    folder, fname = os.path.split(os.path.abspath(path))
-    try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot build the tokenizer from the GGUF file ({exc})") from exc

@@ -17,8 +17,27 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Model, register
-from .gpt2 import Stack, activation, pre_ln_decoder, require
+from .convert import Stack, require
+from .gpt2 import DECODER_HANDLED, SUMMARY_HEAD, decoder_config, pre_ln_decoder
+from .layout import LINEAR
 from .reader import CheckpointError
+
+GPT_NEO_HANDLED = DECODER_HANDLED | {"hidden_size", "n_embd", "num_heads", "num_attention_heads", "num_layers",
+                                     "num_hidden_layers", "max_position_embeddings", "intermediate_size",
+                                     "attention_types", "attention_layers", "window_size"}
+# dropout, and the summary head that GPT-Neo configs of transformers 4.x still carried
+GPT_NEO_NEUTRAL = SUMMARY_HEAD | {"resid_dropout", "embed_dropout", "attention_dropout", "classifier_dropout"}
+
+GPT_NEO_SIZES = dict(width=("hidden_size", "n_embd"), heads=("num_heads", "num_attention_heads"),
+                     layers=("num_layers", "num_hidden_layers"), positions=("max_position_embeddings",),
+                     ffn="intermediate_size")
+
+# stacked field -> tensor name inside block ``h.{i}.`` (besides the q/k/v projections)
+GPT_NEO_NAMES = {
+    "W_o": "attn.attention.out_proj.weight", "b_o": "attn.attention.out_proj.bias",
+    "norm_scale": "ln_1.weight", "norm_bias": "ln_1.bias", "ffn_norm_scale": "ln_2.weight", "ffn_norm_bias": "ln_2.bias",
+    "W_in": "mlp.c_fc.weight", "b_in": "mlp.c_fc.bias", "W_out": "mlp.c_proj.weight", "b_out": "mlp.c_proj.bias",
+}
 
 
 def attention_layers(config: dict, n_layers: int, source: str):
@@ -45,24 +64,12 @@ def attention_layers(config: dict, n_layers: int, source: str):
     return layers
 
 
-@register("gpt_neo")
+@register("gpt_neo", output_layout=LINEAR)
 def convert_gpt_neo(config: dict, reader, dtype, name: str) -> Model:
-    src = reader.folder
-    d = int(require(config, "hidden_size", src, "n_embd"))
-    H = int(require(config, "num_heads", src, "num_attention_heads"))
-    L = int(require(config, "num_layers", src, "num_hidden_layers"))
-    P = int(require(config, "max_position_embeddings", src))
-    V = int(require(config, "vocab_size", src))
-    if d % H:
-        raise CheckpointError(f"{src}: hidden_size={d} is not a multiple of num_heads={H}")
-    e = d // H
-    f = int(config.get("intermediate_size") or 4 * d)
-    act = activation(config, "activation_function", src)
-    eps = float(config.get("layer_norm_epsilon", 1e-5))
+    src, (d, H, e, L, P, V, f, act, eps) = decoder_config(config, reader, "gpt_neo", GPT_NEO_HANDLED,
+                                                          GPT_NEO_NEUTRAL, **GPT_NEO_SIZES)
     kinds = attention_layers(config, L, src)
-    window_size = int(config.get("window_size", 256))
-    if window_size <= 0 and "local" in kinds:
-        raise CheckpointError(f"{src}: window_size={window_size} must be positive for local attention layers")
+    window_size = require(config, "window_size", src, default=256) if "local" in kinds else 0
     window = np.array([window_size if k == "local" else 0 for k in kinds], np.int32)
 
     st = Stack(L, dtype, {
@@ -70,25 +77,15 @@ def convert_gpt_neo(config: dict, reader, dtype, name: str) -> Model:
         "norm_scale": (d,), "norm_bias": (d,), "ffn_norm_scale": (d,), "ffn_norm_bias": (d,),
         "W_in": (f, d), "b_in": (f,), "W_out": (d, f), "b_out": (d,),
     })
-    for i in range(L):
-        p = f"h.{i}."
-        a = p + "attn.attention."
+    for i in range(L):    # nn.Linear (out, in) is powerlens's layout: every tensor goes straight into its slot
         for w in ("q", "k", "v"):
-            st[f"W_{w}"][i] = reader.get(a + f"{w}_proj.weight", (d, d)).reshape(H, e, d)
-        st["W_o"][i] = reader.get(a + "out_proj.weight", (d, d))
-        st["b_o"][i] = reader.get(a + "out_proj.bias", (d,))
-        st["norm_scale"][i] = reader.get(p + "ln_1.weight", (d,))
-        st["norm_bias"][i] = reader.get(p + "ln_1.bias", (d,))
-        st["ffn_norm_scale"][i] = reader.get(p + "ln_2.weight", (d,))
-        st["ffn_norm_bias"][i] = reader.get(p + "ln_2.bias", (d,))
-        st["W_in"][i] = reader.get(p + "mlp.c_fc.weight", (f, d))
-        st["b_in"][i] = reader.get(p + "mlp.c_fc.bias", (f,))
-        st["W_out"][i] = reader.get(p + "mlp.c_proj.weight", (d, f))
-        st["b_out"][i] = reader.get(p + "mlp.c_proj.bias", (d,))
+            st.read(f"W_{w}", i, reader, f"h.{i}.attn.attention.{w}_proj.weight", (d, d))
+        for key, tensor in GPT_NEO_NAMES.items():
+            st.read(key, i, reader, f"h.{i}.{tensor}")
     for w in ("q", "k", "v"):
         if reader.has(f"h.0.attn.attention.{w}_proj.bias"):
-            raise CheckpointError(f"{src}: unexpected tensor h.0.attn.attention.{w}_proj.bias "
+            raise CheckpointError(f"{reader.folder}: unexpected tensor h.0.attn.attention.{w}_proj.bias "
                                   f"(GPT-Neo's q/k/v projections have no bias)")
 
     return pre_ln_decoder("gpt_neo", config, reader, st, d=d, H=H, e=e, eps=eps, act=act, V=V, P=P,
-                          scale=1.0, window=window, src=src, name=name)
+                          scale=1.0, window=window, name=name)

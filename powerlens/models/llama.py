@@ -20,13 +20,24 @@ than ``default``) are rejected with an error naming them.
 """
 from __future__ import annotations
 
-
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
-from .gpt2 import Stack, to_device, lm_head, require, tokenizer_folder
+from .convert import (Stack, activation, check_config, config_file, lm_head, read_tensors, require, require_all,
+                      tokenizer_folder)
+from .layout import LINEAR
 from .reader import CheckpointError
 
 GLU_ACTIVATIONS = {"silu": "silu_glu", "swish": "silu_glu", "gelu_pytorch_tanh": "gelu_glu", "gelu_new": "gelu_glu"}
+
+LLAMA_HANDLED = frozenset({"hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                           "intermediate_size", "vocab_size", "head_dim", "hidden_act", "rope_theta", "rope_scaling",
+                           "rope_parameters", "rms_norm_eps", "attention_bias", "mlp_bias", "max_position_embeddings",
+                           "tie_word_embeddings", "pad_token_id", "bos_token_id"})
+# dropout; ``pretraining_tp`` > 1 only splits the projections into slices (same sums);
+# ``is_llama_config`` is a marker some hub configs carry (e.g. SmolLM2)
+LLAMA_NEUTRAL = frozenset({"attention_dropout", "pretraining_tp", "is_llama_config"})
+# written by nanotron: False is the Hugging Face RoPE layout (rotate_half)
+LLAMA_ONLY = {"rope_interleaved": (False,)}
 
 
 def llama_shapes(d: int, H: int, G: int, e: int, f: int, *, attention_bias=False, mlp_bias=False):
@@ -76,23 +87,19 @@ def llama_info(*, source, tokenizer, max_positions, pad, bos, name) -> ModelInfo
                      final_norm_in_hidden_states=True, pad_token_id=pad, bos_token_id=bos, name=name)
 
 
-@register("llama")
+@register("llama", output_layout=LINEAR)
 def convert_llama(config: dict, reader, dtype, name: str) -> Model:
-    src = reader.folder
-    d = int(require(config, "hidden_size", src))
-    H = int(require(config, "num_attention_heads", src))
-    G = int(config.get("num_key_value_heads") or H)
-    L = int(require(config, "num_hidden_layers", src))
-    f = int(require(config, "intermediate_size", src))
-    V = int(require(config, "vocab_size", src))
-    e = int(config.get("head_dim") or d // H)
+    src = config_file(reader)
+    check_config(config, src, "llama", handled=LLAMA_HANDLED, neutral=LLAMA_NEUTRAL, only=LLAMA_ONLY)
+    d, H, L, f, V = require_all(config, src, d="hidden_size", H="num_attention_heads", L="num_hidden_layers",
+                                f="intermediate_size", V="vocab_size")
+    G = require(config, "num_key_value_heads", src, default=H)
+    e = require(config, "head_dim", src, default=d // H)
     if H % G:
         raise CheckpointError(f"{src}: num_attention_heads={H} is not a multiple of num_key_value_heads={G}")
-    act_name = config.get("hidden_act", "silu")
-    if act_name not in GLU_ACTIVATIONS:
-        raise CheckpointError(f"{src}: unsupported hidden_act={act_name!r} (supported: {sorted(GLU_ACTIVATIONS)})")
+    act = activation(config, "hidden_act", src, "silu", GLU_ACTIVATIONS)
     theta = rope_theta(config, src)
-    eps = float(config.get("rms_norm_eps", 1e-6))
+    eps = require(config, "rms_norm_eps", src, kind=float, default=1e-6)
     ab, mb = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
 
     st = Stack(L, dtype, llama_shapes(d, H, G, e, f, attention_bias=ab, mlp_bias=mb))
@@ -116,13 +123,15 @@ def convert_llama(config: dict, reader, dtype, name: str) -> Model:
             if reader.has(m + "gate_proj.bias"):
                 g = reader.get(m + "gate_proj.bias", (f,))
                 if g.any():
-                    raise CheckpointError(f"{src}: tensor {m + 'gate_proj.bias'!r} is non-zero; a gate bias "
+                    raise CheckpointError(f"{reader.folder}: tensor {m + 'gate_proj.bias'!r} is non-zero; a gate bias "
                                           f"is not supported by the SwiGLU FFN of powerlens")
             st["b_in"][i] = reader.get(m + "up_proj.bias", (f,))
             st["b_out"][i] = reader.get(m + "down_proj.bias", (d,))
-    info = llama_info(source=src, tokenizer=tokenizer_folder(src), max_positions=config.get("max_position_embeddings"),
+    folder = reader.folder
+    info = llama_info(source=folder, tokenizer=tokenizer_folder(folder),
+                      max_positions=require(config, "max_position_embeddings", src, default=None),
                       pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name)
-    return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act=GLU_ACTIVATIONS[act_name],
-                       embeddings={"word": to_device(reader.get("embed_tokens.weight", (V, d)))},
-                       final_norm=to_device(reader.get("norm.weight", (d,))),
-                       head=lm_head(config, reader, (V, d), src), info=info)
+    tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"}, {"word": (V, d), "norm": (d,)})
+    return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act=act, embeddings={"word": tensors["word"]},
+                       final_norm=tensors["norm"], head=lm_head(config, reader, (V, d), default_tied=False),
+                       info=info)

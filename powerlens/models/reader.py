@@ -5,7 +5,8 @@ Tensors are read lazily, one at a time. A safetensors tensor is read with
 ``readinto`` from the offsets of the file's header straight into its destination (a
 64-byte aligned NumPy buffer, or a caller's slot of a stacked array via ``out=``):
 no intermediate copy, and on the CPU ``jax.device_put`` of an aligned buffer is
-zero-copy (:func:`to_device`), so a whole checkpoint is held about once while loading.
+zero-copy (:func:`powerlens.models.convert.to_device`), so a whole checkpoint is held
+about once while loading.
 Name prefixes such as ``bert.``, ``transformer.`` and ``model.`` are stripped; buffers
 (``position_ids``, causal-mask buffers) are skipped by whole dotted name components
 (``h.0.attn.bias`` is a buffer, ``h.0.attn.c_attn.bias`` is not). A missing tensor, a
@@ -39,15 +40,6 @@ def aligned_empty(shape, dtype, align: int = ALIGN) -> np.ndarray:
     raw = np.empty(nbytes + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off:off + nbytes].view(dtype).reshape(shape)
-
-
-def to_device(a: np.ndarray):
-    """``jax.device_put`` and wait. On the CPU an aligned array (:func:`aligned_empty`) is
-    aliased, not copied; elsewhere the host copy is freed once the transfer is done."""
-    import jax
-    out = jax.device_put(a)
-    out.block_until_ready()
-    return out
 
 
 def all_finite(a: np.ndarray) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
-from ..analysis.experiment import column
+from ..analysis.experiment import StepMeasures, plot_measures
 from .section import SectionResult, Table, verdict_from
 
 DEFAULT_MODELS = ["minilm", "smollm2"]
@@ -85,17 +85,10 @@ def section_layer_varying(ctx) -> SectionResult:
             entry[rule] = ctx.store.cached(f"s5_{name}_{rule}", compute)
         per_model[name] = entry
         for rule in ("paper", "faithful"):
-            e = entry[rule]
-            rows = {o: e[o]["steps"] for o in ("shifted", "plain")}
-            t = np.arange(1, len(rows["shifted"]))
-            figs.append(plots.plot_alignment(
-                t, {o: column(rows[o], "gamma") for o in rows}, {o: column(rows[o], "rho") for o in rows},
-                ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"),
-                chance=column(rows["shifted"], "chance_gamma"), chance_band=column(rows["shifted"], "chance_band"),
-                gamma_controls={"random subspace": column(rows["shifted"], "gamma_random")},
-                rho_controls={"random subspace": column(rows["shifted"], "rho_random"),
-                              "other layer": column(rows["shifted"], "rho_other_layer")},
-                xlabel="layer t", title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"))
+            e = entry[rule]     # read back from the JSON chunk store
+            measures = {o: StepMeasures.from_rows(e[o]["steps"], e["n_tokens"]) for o in ("shifted", "plain")}
+            figs.append(plot_measures(measures, ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"), xlabel="layer t",
+                                      title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"))
     if not per_model:
         return SectionResult("layer_varying", "5. Layer-varying real models", "", "skipped",
                              f"No model available (missing: {', '.join(missing)}).")
@@ -149,7 +142,8 @@ def section_layer_varying(ctx) -> SectionResult:
 
 def _shared_iterations(model, name, ctx, T, layers_idx):
     from ..analysis.spectra import reference_subspaces
-    from ..dynamics.sweep import simulate_sweep, stack_subspaces, stack_systems
+    from ..dynamics.subspaces import stack_subspaces
+    from ..dynamics.sweep import simulate_sweep, stack_systems
     from ..models.embed import embed
     from .synthetic import fit_rate
     spectra = _spectra(name)
@@ -163,7 +157,7 @@ def _shared_iterations(model, name, ctx, T, layers_idx):
         X0 = np.broadcast_to(np.asarray(x0[0], np.float64), (len(layers_idx),) + tuple(x0.shape[1:]))
         V = np.broadcast_to(np.asarray(valid[0]), (len(layers_idx), x0.shape[1]))
         traj = simulate_sweep(stack_systems(systems), X0, subs, valid=V, rule="paper", attention="softmax")
-        gam = np.asarray(traj.gamma[..., 0], float)            # (S, T)
+        gam = np.asarray(traj.gamma[..., traj.index("principal")], float)            # (S, T)
         cons = np.asarray(traj.consensus, float)
     for i, l in enumerate(layers_idx):
         s = spectra[l].shifted
@@ -223,6 +217,11 @@ def section_shared_real(ctx) -> SectionResult:
 
 # --------------------------------------------------------------------------- section 8
 
+def _json_floats(a) -> list:
+    """A float array as a JSON list (NaN -> None)."""
+    return [float(v) if np.isfinite(v) else None for v in np.asarray(a, float)]
+
+
 def section_ffn(ctx) -> SectionResult:
     found, _ = available_models(ctx)
     texts = _prompts(ctx)
@@ -234,10 +233,10 @@ def section_ffn(ctx) -> SectionResult:
             out = {}
             for rule in ("paper", "faithful", "full"):
                 res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=spectra)
-                out[rule] = {"rule": res.rule, "gamma": [r["gamma"] for r in res.rows["shifted"][1:]],
-                             "rho": [r["rho"] for r in res.rows["shifted"][1:]],
-                             "chance": [r["chance_gamma"] for r in res.rows["shifted"][1:]],
-                             "band": [r["chance_band"] for r in res.rows["shifted"][1:]]}
+                m = res.measures["shifted"]
+                out[rule] = {"rule": res.rule, **{k: _json_floats(getattr(m, f)[1:]) for k, f in
+                                                  (("gamma", "gamma"), ("rho", "rho"), ("chance", "chance_gamma"),
+                                                   ("band", "chance_band"))}}
             return out
         entry = ctx.store.cached(f"s8_{name}", compute)
         L = len(entry["paper"]["gamma"])

@@ -4,9 +4,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional
 
-VERDICTS = ("supported", "partly supported", "not supported", "failed", "skipped")
-
-
 @dataclasses.dataclass
 class Table:
     title: str

@@ -15,8 +15,9 @@ import jax
 import numpy as np
 
 from ..analysis import plots
+from ..analysis.spectra import sweep_subspaces
 from ..dynamics.params import layer_matrices
-from ..dynamics.sweep import simulate_sweep, stack_systems, sweep_subspaces
+from ..dynamics.sweep import simulate_sweep, stack_systems
 from ..dynamics.synthetic import bipartite_tokens, cone_tokens, spectrum_matrix, synthetic_system
 from .section import SectionResult, Table, verdict_from
 
@@ -77,6 +78,7 @@ def section_dominant_real(ctx) -> SectionResult:
             specs.append([lam1, lam2] + list(rest))
         systems = _systems(specs, kind="symmetric", heads=2, beta=1.0, d=d, seed=ctx.seed * 1000 + 10 * c, steps=T)
         spectra, traj = _sweep_states(systems, n, ctx.seed + c)
+        P = traj.index("principal")
         out = []
         for i, sp in enumerate(spectra):
             s = sp[0].shifted
@@ -87,7 +89,7 @@ def section_dominant_real(ctx) -> SectionResult:
                         "pred_consensus_rate": 1.0 / s.mu1, "pred_direction_rate": s.ratio,
                         "meas_consensus_rate": fit_rate(mu, 1e-11, 1e-4),
                         "meas_direction_rate": fit_rate(tan, 1e-11, 1e-4),
-                        "final_gamma": float(np.asarray(traj.gamma[i, -1, 0])),
+                        "final_gamma": float(np.asarray(traj.gamma[i, -1, P])),
                         "consensus": mu.tolist() if (c == 0 and i == 0) else None})
         return out
 
@@ -150,6 +152,7 @@ def section_complex_pair(ctx) -> SectionResult:
             phis.append(phi)
         systems = _systems(specs, kind=kind, heads=2, beta=1.0, d=d, seed=ctx.seed * 2000 + 10 * c, steps=T)
         spectra, traj = _sweep_states(systems, n, ctx.seed + 7 * c)
+        P = traj.index("principal")
         out = []
         K = 60
         for i, sp in enumerate(spectra):
@@ -157,7 +160,7 @@ def section_complex_pair(ctx) -> SectionResult:
             rot = np.asarray(traj.rotation[i], float)
             out.append({"kind": kind, "lambda1": [s.top.real, s.top.imag], "pred_rotation": float(np.angle(1 + s.top)),
                         "meas_rotation": float(np.sum(rot[-K:]) / K), "plane_dim": s.dim,
-                        "final_gamma_plane": float(np.asarray(traj.gamma[i, -1, 0])),
+                        "final_gamma_plane": float(np.asarray(traj.gamma[i, -1, P])),
                         "final_consensus": float(np.asarray(traj.consensus[i, -1])),
                         "plane_states": (np.asarray(traj.states[i], float)[-40:, :8] @ s.basis).tolist()
                         if (c == 0 and i == 0) else None})

@@ -55,10 +55,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..analysis.spectra import null_subspaces
+from ..dynamics.inputs import check_batch
 from ..dynamics.layer import attention_output
 from ..dynamics.params import Layers
-from ..dynamics.simulate import check_batch, simulate_batch
+from ..dynamics.run import run_batch
 from .directions import as_direction
 from .rank1 import choose_w, host_matrices, layer_index
 
@@ -149,24 +149,25 @@ def steered_steps(layers: Layers, layer: int) -> Tuple[int, ...]:
 
 
 def prepare_tokens(layers: Layers, x0, valid=None):
-    """x0 -> (B, n, d) float array in the layers' dtype, valid (B, n) bool (validated)."""
+    """x0 -> "float[B n d]" in the layers' dtype, valid "bool[B n]" (validated)."""
     x, valid = check_batch(x0, valid, layers.config.d_model)
     return jnp.asarray(x, layers.W_v.dtype), jnp.asarray(valid)
 
 
-def entering_states(layers: Layers, x0, valid=None, *, layer: int = -1, rule: str = "paper",
-                    attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None):
-    """The tokens entering the first step that applies unique layer ``layer``: (B, n, d).
+def entering_states(layers: Layers, x0: "float[B n d]", valid: "bool[B n] | None" = None, *, layer: int = -1,
+                    rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
+                    positions=None):
+    """The tokens entering the first step that applies unique layer ``layer`` "float[B n d]",
+    and the mask "bool[B n]": the ``final()`` observer of the steps before it.
 
     They do not depend on that layer's W_o (earlier steps use other layers)."""
     X, valid = prepare_tokens(layers, x0, valid)
     t = steered_steps(layers, layer)[0]
     if t == 0:
         return X, valid
-    head = layers.with_schedule(layers.schedule[:t])
-    traj = simulate_batch(head, X, null_subspaces(head), valid=valid, rule=rule, attention=attention,
-                          keep_bias=keep_bias, positions=positions)
-    return traj.final, valid
+    out = run_batch(layers, X, valid, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions,
+                    schedule=np.asarray(layers.schedule[:t]), observe=("final",))
+    return out["final"], valid
 
 
 def _one_step_terms(lp, X, valid, keep_bias, attention, positions):

@@ -18,6 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..models.layout import unembedding_matrix  # noqa: F401  (re-exported: the read-out rows (V, d))
+
 
 @dataclasses.dataclass
 class Direction:
@@ -57,25 +59,6 @@ def as_direction(u, d: Optional[int] = None, *, name: str = "direction") -> np.n
 def random_direction(d: int, seed: int = 0) -> np.ndarray:
     """A unit vector uniform on the sphere of R^d (seeded)."""
     return as_direction(np.random.default_rng(seed).standard_normal(int(d)), name="random direction")
-
-
-def unembedding_matrix(model) -> np.ndarray:
-    """The token read-out matrix in the residual space: (V, d), float64.
-
-    ``lm_head`` when present, otherwise the (tied) word embeddings; for ALBERT-like models
-    whose embedding width E differs from d, the word rows are mapped through the
-    embedding projection (project_W (d, E)).
-    """
-    d = model.layers.config.d_model
-    if model.lm_head is not None:
-        W = np.asarray(model.lm_head, np.float64)
-    else:
-        W = np.asarray(model.embeddings["word"], np.float64)
-        if W.shape[1] != d:
-            if "project_W" not in model.embeddings:
-                raise ValueError(f"word embeddings have width {W.shape[1]} != d={d} and there is no projection")
-            W = W @ np.asarray(model.embeddings["project_W"], np.float64).T
-    return W
 
 
 def _encode(tok, text: str):

@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..analysis.spectra import null_subspaces
-from ..dynamics.simulate import simulate_batch
+from ..dynamics.run import run_batch
 from .directions import as_direction
 from .rank1 import layer_index, steer_layers
 
@@ -52,10 +51,10 @@ def steered_model(model, delta_O, layer: int = -1):
 
 
 def _run(layers, schedule, X, valid, rule="full"):
+    """The tokens "float[B n d]" after the steps ``schedule`` (a tuple of unique layers) from X."""
     if not schedule:
         return X
-    sub = layers.with_schedule(schedule)
-    return simulate_batch(sub, X, null_subspaces(sub), valid=valid, rule=rule).final
+    return run_batch(layers, X, valid, rule=rule, schedule=np.asarray(schedule), observe=("final",))["final"]
 
 
 def final_cos(layers, x0, valid, u) -> np.ndarray:

@@ -6,8 +6,8 @@ Problem, for a direction u (d,), prompts X0 (B, n, d) and the steered unique lay
     subject to a(delta_O) >= target,   a = mean (or min) over valid tokens of cos(y_i, u)
 
 where y_i are the *final* tokens of the schedule run under ``rule`` (default ``paper``)
-with W_o[l] + delta_O. Gradients flow through the dynamics (``layer_step`` in a
-``lax.scan``), never through eigenvector derivatives. Steps before the first one that
+with W_o[l] + delta_O. Gradients flow through the dynamics (the scan of
+:func:`powerlens.dynamics.run`), never through eigenvector derivatives. Steps before the first one that
 applies layer l do not depend on delta_O and are run once, outside the optimisation.
 
 Parameterisations (``param``)::
@@ -45,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..dynamics.layer import check_rule, default_keep_bias, layer_step
+from ..dynamics.layer import check_rule, default_keep_bias
+from ..dynamics.observers import final
 from ..dynamics.params import Layers
+from ..dynamics.run import run
 from .alpha import check_target, entering_states, steered_steps
 from .directions import as_direction
 from .rank1 import host_matrices, inverse_map, layer_index
@@ -57,16 +59,15 @@ REDUCTIONS = ("mean", "min")
 
 # ------------------------------------------------------------------ pure pieces
 
-def run_tail(layers: Layers, X, valid, tail, *, rule, attention, keep_bias, positions=None):
-    """Final tokens after the steps ``tail`` (static tuple of unique-layer indices): (B, n, d)."""
-    sched = jnp.asarray(tail, jnp.int32)
-
-    def one(X1, v1):
-        def step(Y, s):
-            return layer_step(layers.layer(s), Y, v1, rule=rule, attention=attention, keep_bias=keep_bias,
-                              positions=positions), None
-        return jax.lax.scan(step, X1, sched)[0]
-
+def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rule, attention, keep_bias,
+             positions=None) -> "float[B n d]":
+    """Final tokens after the steps ``tail`` (static tuple of unique-layer indices): the
+    ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
+    the optimiser differentiates through it). Only the layers of the tail are kept, so the
+    fused q/k/v weights are built for those alone."""
+    sub = layers.select(tail)
+    one = lambda x, v: run(sub, x, v, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions,
+                           observers={"final": final()})["final"]
     return jax.vmap(one)(X, valid)
 
 
@@ -94,15 +95,6 @@ def _delta(params, u, n0, param):
     if param == "w_alpha":
         return jnp.exp(params["a"]) * jnp.outer(u, params["w"])
     return n0 * params["P"] @ params["Q"].T
-
-
-def _low_rank_change(params, u, n0, param, m):
-    """The change of the steered layer's output, (B, n, d), without forming dO (d, H e).
-
-    lowrank: dO m = n0 P (Q^T m);  w_alpha: dO m = e^a u (w . m)."""
-    if param == "w_alpha":
-        return jnp.exp(params["a"]) * (m @ params["w"])[..., None] * u
-    return n0 * (m @ params["Q"]) @ params["P"].T
 
 
 def _delta_sq(params, param):

@@ -8,8 +8,9 @@ V_cat (H e, d) (grouped-query heads expanded), so F = W_o V_cat. The perturbatio
 
 Choices of w:
 
-    "inverse"  w = V_cat (V_cat^T V_cat)^{-1} u = pinv(V_cat^T) u, the minimum-norm w with
-               z = u exactly (needs V_cat of full column rank d, i.e. H e >= d);
+    "inverse"  w = pinv(V_cat^T) u (= V_cat (V_cat^T V_cat)^{-1} u), the minimum-norm w with
+               z = u exactly (needs V_cat of full column rank d, i.e. H e >= d); solved by
+               least squares, never through V_cat^T V_cat, whose condition number is cond(V_cat)^2;
     "value"    w = V_cat u / ||V_cat u||, the unit w with the largest z.u = ||V_cat u||;
     an array   any (H e,) vector.
 
@@ -26,9 +27,10 @@ lambda_k + alpha and every other eigenvalue stays put.
 Shared weights: for an ALBERT-like system (one unique layer applied at every step)
 perturbing unique layer ``l`` perturbs *every* step that applies it, not just the last.
 
-Storage: :func:`checkpoint_delta` returns the change in the checkpoint's own layout
-(GPT-2's Conv1D stores ``c_proj.weight`` as (in, out) = (H e, d), so its delta is
-delta_O^T = alpha w u^T; Hugging Face ``Linear`` and GGUF store (out, in) = delta_O).
+Storage: the change of the checkpoint's own weight is the models package's business
+(:func:`powerlens.models.layout.checkpoint_delta`, re-exported here): each family declares
+how it stores W_o (GPT-2's Conv1D as (H e, d), so its delta is delta_O^T = alpha w u^T;
+``nn.Linear`` and GGUF as (d, H e) = delta_O).
 """
 from __future__ import annotations
 
@@ -39,12 +41,10 @@ import numpy as np
 
 from ..analysis.spectra import LayerSpectrum, layer_spectra
 from ..dynamics.params import Layers, value_matrix
+from ..models.layout import checkpoint_delta
 from .directions import as_direction
 
 W_CHOICES = ("inverse", "value")
-# families whose output projection is stored (out, in) = (d, H e), like W_o
-_LINEAR_FAMILIES = ("bert", "albert", "roberta", "distilbert", "gpt_neo", "llama", "synthetic")
-_CONV1D_FAMILIES = ("gpt2",)
 
 
 def layer_index(layers: Layers, layer: int) -> int:
@@ -75,18 +75,28 @@ def host_matrices(layers: Layers, layer: int):
     return W_o, V, W_o @ V
 
 
-def inverse_map(V: np.ndarray, layer: int = -1) -> np.ndarray:
-    """pinv(V^T) = V (V^T V)^{-1}: (H e, d). Error if V^T V is singular (rank < d)."""
+def _min_norm_solve(V: np.ndarray, B: np.ndarray, layer: int) -> np.ndarray:
+    """pinv(V^T) B: the minimum-norm solution W of V^T W = B (V (H e, d), B (d,) or (d, k)).
+
+    Least squares on V^T itself (SVD, LAPACK ``gelsd``), so V^T W - B is at float64 rounding
+    times cond(V), not cond(V)^2 as through the normal equations V (V^T V)^{-1}. Error if
+    H e < d or V is rank-deficient (then no W gives V^T W = B for every B).
+    """
     He, d = V.shape
     if He < d:
         raise ValueError(f"w='inverse' needs H*d_head >= d, but layer {layer} has H*d_head={He} < d={d}; "
                          f"use w='value' or an explicit w")
-    sv = np.linalg.svd(V, compute_uv=False)
+    W, _, _, sv = np.linalg.lstsq(V.T, B, rcond=None)
     if sv[-1] <= sv[0] * max(He, d) * np.finfo(np.float64).eps * 10:
         raise ValueError(f"w='inverse' needs V_cat^T V_cat invertible, but layer {layer}'s value matrix is "
                          f"rank-deficient (smallest singular value {sv[-1]:.3g}, largest {sv[0]:.3g}); "
                          f"use w='value' or an explicit w")
-    return V @ np.linalg.inv(V.T @ V)
+    return W
+
+
+def inverse_map(V: np.ndarray, layer: int = -1) -> np.ndarray:
+    """pinv(V^T) = V (V^T V)^{-1}: (H e, d), so that V^T pinv(V^T) = I_d. Error if rank V < d."""
+    return _min_norm_solve(V, np.eye(V.shape[1]), layer)
 
 
 def choose_w(V: np.ndarray, u: np.ndarray, w: Union[str, np.ndarray], layer: int = -1) -> np.ndarray:
@@ -94,7 +104,7 @@ def choose_w(V: np.ndarray, u: np.ndarray, w: Union[str, np.ndarray], layer: int
     He = V.shape[0]
     if isinstance(w, str):
         if w == "inverse":
-            return inverse_map(V, layer) @ u
+            return _min_norm_solve(V, u, layer)
         if w == "value":
             Vu = V @ u
             n = np.linalg.norm(Vu)
@@ -121,22 +131,6 @@ def steer_layers(layers: Layers, delta_O, layer: int = -1) -> Layers:
     if tuple(delta.shape) != tuple(W_o.shape[1:]):
         raise ValueError(f"delta_O has shape {tuple(delta.shape)}, expected {tuple(W_o.shape[1:])} (d, H*d_head)")
     return layers.replace(W_o=W_o.at[l].add(delta))
-
-
-def checkpoint_delta(family: str, delta_O) -> np.ndarray:
-    """delta_O in the checkpoint's storage layout of the output projection.
-
-    GPT-2 (Conv1D, weight (in, out)): delta_O^T = alpha w u^T. Every other supported
-    family (nn.Linear / GGUF, weight (out, in)): delta_O itself.
-    """
-    d = np.asarray(delta_O)
-    if d.ndim != 2:
-        raise ValueError(f"delta_O must be a matrix (d, H*d_head), got shape {d.shape}")
-    if family in _CONV1D_FAMILIES:
-        return d.T
-    if family in _LINEAR_FAMILIES:
-        return d
-    raise ValueError(f"unknown storage layout for family {family!r}; known: {_CONV1D_FAMILIES + _LINEAR_FAMILIES}")
 
 
 def asymptotic_prediction(F: np.ndarray, u: np.ndarray, z: np.ndarray, alpha: float):
@@ -186,8 +180,12 @@ class Rank1Result:
     def zu(self) -> float:
         return float(self.z @ self.u)
 
-    def checkpoint_delta(self, family: Optional[str] = None) -> np.ndarray:
-        return checkpoint_delta(family or self.layers.config.family, self.delta_O)
+    def checkpoint_delta(self, family=None) -> np.ndarray:
+        """delta_O in the stored layout of the checkpoint's output projection (see
+        :func:`powerlens.models.layout.checkpoint_delta`): ``family`` is a family name, a
+        ModelInfo or a Model (pass ``model.info``); by default the family the layers were
+        loaded as."""
+        return checkpoint_delta(self.layers.config.family if family is None else family, self.delta_O)
 
     def to_json(self) -> dict:
         c = lambda z: [float(np.real(z)), float(np.imag(z))]

@@ -1,8 +1,10 @@
 """A plain NumPy reference of one prompt's token dynamics and its measures.
 
+The test oracle of ``powerlens.dynamics`` (it lives under ``tests/``, not in the library).
 Written independently of the JAX path (explicit loops over heads, queries and keys,
-clarity first) to test it and to serve as the baseline of ``benchmarks/simulate.py``.
-Everything is float64 unless the inputs ask otherwise.
+clarity first); :func:`simulate_fast` is the same maths vectorised within a step, itself
+checked against the loops. It imports nothing from powerlens. Everything is float64
+unless the inputs ask otherwise.
 
 One unique layer is a dict of NumPy arrays (see :func:`layer_dicts`)::
 
@@ -271,7 +273,7 @@ def wrap(a):
     return (np.asarray(a) + np.pi) % (2 * np.pi) - np.pi
 
 
-# ------------------------------------------------------- vectorised (benchmark) path
+# ---------------------------------------------------------------- vectorised path
 
 def _allowed_fast(n, valid, causal, window):
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -283,12 +285,23 @@ def _allowed_fast(n, valid, causal, window):
     return ok
 
 
+def rope_fast(x, positions, theta: float, rope_dim: Optional[int] = None):
+    """:func:`rope` vectorised: x (..., n, e), positions (n,)."""
+    e = x.shape[-1]
+    r = e if rope_dim is None else int(rope_dim)
+    half = r // 2
+    ang = np.asarray(positions, np.float64)[:, None] * theta ** (-2.0 * np.arange(half) / r)   # (n, half)
+    c, s = np.cos(ang).astype(x.dtype), np.sin(ang).astype(x.dtype)
+    u, w = x[..., :half], x[..., half:2 * half]
+    y = x.copy()
+    y[..., :half] = u * c - w * s
+    y[..., half:2 * half] = w * c + u * s
+    return y
+
+
 def attention_out_fast(p, X, valid, *, mode: str, keep_bias: bool = False, causal: bool = False,
                        rope_theta=None, rope_dim=None, positions=None) -> np.ndarray:
-    """Same maths as :func:`attention_out`, vectorised over heads and tokens with NumPy
-    (the baseline of the benchmark). RoPE is not supported here."""
-    if rope_theta is not None:
-        raise ValueError("the vectorised reference has no RoPE; use attention_out")
+    """Same maths as :func:`attention_out`, vectorised over heads and tokens with NumPy."""
     n = X.shape[0]
     G, e, _ = p["W_v"].shape
     H = p["W_o"].shape[1] // e
@@ -300,6 +313,10 @@ def attention_out_fast(p, X, valid, *, mode: str, keep_bias: bool = False, causa
             q = q + p["b_q"][:, None, :]
         if "b_k" in p:
             k = k + np.repeat(p["b_k"], H // G, axis=0)[:, None, :]
+        if rope_theta is not None:
+            pos = np.arange(n) if positions is None else positions
+            q = rope_fast(q, pos, rope_theta, rope_dim)
+            k = rope_fast(k, pos, rope_theta, rope_dim)
         s = p["scale"] * np.einsum("hie,hje->hij", q, k)
         ok = _allowed_fast(n, valid, causal, int(p.get("window", 0)))
         s = np.where(ok[None], s, -np.inf)
@@ -346,7 +363,7 @@ def simulate_fast(params, schedule, x0, basis, dims, *, valid=None, rule: str = 
                   dtype=np.float64) -> dict:
     """:func:`simulate` with NumPy-vectorised steps (a Python loop over steps only).
 
-    Only ``rule='paper'`` (the benchmark's rule); same outputs as :func:`simulate`.
+    Only ``rule='paper'``; same outputs as :func:`simulate` (RoPE included).
     """
     if rule != "paper":
         raise ValueError("simulate_fast implements rule 'paper' only")
@@ -365,7 +382,8 @@ def simulate_fast(params, schedule, x0, basis, dims, *, valid=None, rule: str = 
     pair = [is_pair_plane(p, basis[u, 0], int(dims[u, 0])) for u, p in enumerate(params)]
     for t, u in enumerate(schedule):
         p = params[u]
-        Y = X + attention_out_fast(p, X, valid, mode=attention, keep_bias=keep_bias, causal=causal)
+        Y = X + attention_out_fast(p, X, valid, mode=attention, keep_bias=keep_bias, causal=causal,
+                                   rope_theta=rope_theta, rope_dim=rope_dim)
         Y = Y / np.linalg.norm(Y, axis=1, keepdims=True)
         g0, _ = _measures_fast(X, valid, basis[u], dims[u]) if t else (g0, None)
         g1, meas[t + 1] = _measures_fast(Y, valid, basis[u], dims[u])

@@ -1,0 +1,170 @@
+"""Observers: what :func:`powerlens.dynamics.run` measures inside its scan.
+
+An observer is a pure pair in the Optax style, plus an optional summary hook::
+
+    init(x0, valid, layers)            -> state
+    update(state, x_before, x_after, step) -> (state, out)     once per step, inside the scan
+    finish(state, outs)                -> result                outs: every ``out``, stacked over T
+
+x0, x_before, x_after are one prompt's tokens "float[n d]", valid "bool[n]", ``layers`` the
+stacked :class:`~powerlens.dynamics.params.Layers` and ``step`` a :class:`Step`. Nothing is
+computed for an observer that is not asked for, and memory grows with the number of steps
+only by what ``update`` returns. Ready observers:
+
+    alignment(subspaces)   gamma, gamma_before, rho "float[T m]" against the m named
+                           references and the rotation "float[T]" in the principal plane
+    consensus()            mu, rank-collapse residual, pairwise cosine "float[T+1]"
+    states()               every state "float[T+1 n d]"
+    final()                the last state "float[n d]"
+
+Measures of a *state* (consensus, states) include the initial state at index 0, so they
+have T+1 entries; measures of a *step* (alignment) have T.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .measures import consensus_measures, gamma_from_coordinates, masked_mean, wrap_angle
+from .params import layer_matrices
+from .subspaces import Subspaces, reference_index
+
+
+class Step(NamedTuple):
+    """What an observer's ``update`` sees of the step, besides the two states."""
+
+    t: jax.Array        # int (): position in the schedule, 0 .. T-1
+    layer: jax.Array    # int (): the unique layer applied at this step, schedule[t]
+    valid: jax.Array    # bool[n]: False for padding tokens
+
+
+def _outputs(state, outs):
+    """The default ``finish``: the per-step outputs, stacked over the steps."""
+    return outs
+
+
+class Observer(NamedTuple):
+    """A pure (init, update[, finish]) triple; see the module docstring for the signatures."""
+
+    init: Callable[..., Any]
+    update: Callable[..., Tuple[Any, Any]]
+    finish: Callable[[Any, Any], Any] = _outputs
+
+
+# ------------------------------------------------------------------------ alignment
+
+@struct.dataclass
+class Alignment:
+    """Alignment of the tokens with each layer's reference subspaces, per step t = 0..T-1.
+
+    Attributes:
+      gamma: "float[T m]" mean over valid tokens of gamma_i(x_{t+1}) against reference r of
+        layer schedule[t] (NaN where that reference is undefined).
+      gamma_before: "float[T m]" the same for x_t, the tokens entering the step.
+      rho: "float[T m]" share of valid tokens with gamma_i(x_{t+1}) > gamma_i(x_t).
+      rotation: "float[T]" mean angle step of the tokens in the plane of the ``rotation_in``
+        reference, wrapped to [-pi, pi); NaN unless that reference is a 2-D complex-pair plane.
+      names: static tuple of the m reference names.
+    """
+
+    gamma: jax.Array
+    gamma_before: jax.Array
+    rho: jax.Array
+    rotation: jax.Array
+    names: Tuple[str, ...] = struct.field(pytree_node=False, default=())
+
+    def index(self, name: str) -> int:
+        return reference_index(self.names, name)
+
+
+def complex_pair_planes(subspaces: Subspaces, layers, p: int):
+    """"bool[U]": is reference p of layer u a complex-pair plane?
+
+    True when it is 2-D and the restriction T2 = B^T F B has complex eigenvalues: the
+    discriminant of T2 is negative by more than rounding (|Im lambda| above 1e-5 of the
+    block's scale), so a repeated real eigenvalue, whose discriminant is ~0, is not one.
+    """
+    B2 = subspaces.basis[:, p, :, :2]                                   # (U, d, 2)
+    T2 = jnp.einsum("udi,ude,uej->uij", B2, layer_matrices(layers), B2)
+    disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
+    tol = (1e-5 * jnp.max(jnp.abs(T2), axis=(1, 2))) ** 2
+    return (subspaces.dim[:, p] == 2) & (disc < -tol)
+
+
+def alignment(subspaces: Subspaces, *, rotation_in: str = "principal") -> Observer:
+    """gamma, gamma_before, rho against every reference and the rotation (see :class:`Alignment`).
+
+    All m bases of a layer sit side by side in one "float[d m*k]" matrix, so one matmul
+    projects the tokens on all of them. With a single unique layer (a shared-weight system)
+    the projection of x_{t+1} is carried to the next step instead of recomputed.
+    """
+    U, m, d, k = subspaces.basis.shape
+    names = subspaces.names
+    p = names.index(rotation_in) if rotation_in in names and k >= 2 else None
+    B_all = jnp.swapaxes(subspaces.basis, 1, 2).reshape(U, d, m * k)
+    shared = U == 1
+
+    def project(X, u, norms=None):
+        """gamma "float[m n]" against every reference, each token's angle in the plane "float[n]"."""
+        C = (X @ B_all[u]).reshape(X.shape[0], m, k)
+        norms = jnp.linalg.norm(X, axis=-1) if norms is None else norms
+        angle = None if p is None else jnp.arctan2(C[:, p, 1], C[:, p, 0])
+        return gamma_from_coordinates(C, norms).T, angle
+
+    def init(x0, valid, layers):
+        pair = None if p is None else complex_pair_planes(subspaces, layers, p)
+        return pair, (project(x0, 0) if shared else None)
+
+    def update(state, X, Y, step):
+        pair, prev = state
+        u, valid = step.layer, step.valid
+        g0, a0 = prev if shared else project(X, u)
+        g1, a1 = project(Y, u)
+        defined = subspaces.dim[u] > 0                                  # (m,)
+        nan = jnp.full((), jnp.nan, X.dtype)
+        if p is None:
+            rot = nan
+        else:
+            rot = jnp.where(pair[u], masked_mean(wrap_angle(a1 - a0), valid), nan)
+        out = Alignment(gamma=jnp.where(defined, masked_mean(g1, valid), jnp.nan),
+                        gamma_before=jnp.where(defined, masked_mean(g0, valid), jnp.nan),
+                        rho=jnp.where(defined, masked_mean((g1 > g0).astype(X.dtype), valid), jnp.nan),
+                        rotation=rot, names=names)
+        return (pair, (g1, a1) if shared else None), out
+
+    return Observer(init, update)
+
+
+# ------------------------------------------------------------------------ states
+
+def _prepend(first, rest):
+    """Put the initial state's value in front of the per-step values (leaf by leaf)."""
+    return jax.tree_util.tree_map(lambda a0, a: jnp.concatenate([a0[None], a]), first, rest)
+
+
+def consensus() -> Observer:
+    """mu, the rank-collapse residual and the pairwise cosine of every state: a
+    :class:`~powerlens.dynamics.measures.Consensus` of "float[T+1]" arrays."""
+    return Observer(init=lambda x0, valid, layers: consensus_measures(x0, valid),
+                    update=lambda first, X, Y, step: (first, consensus_measures(Y, step.valid)),
+                    finish=_prepend)
+
+
+def states() -> Observer:
+    """Every state x_0 .. x_T: "float[T+1 n d]"."""
+    return Observer(init=lambda x0, valid, layers: x0,
+                    update=lambda x0, X, Y, step: (x0, Y),
+                    finish=_prepend)
+
+
+def final() -> Observer:
+    """The last state x_T: "float[n d]" (nothing is kept per step)."""
+    return Observer(init=lambda x0, valid, layers: x0,
+                    update=lambda last, X, Y, step: (Y, None),
+                    finish=lambda last, outs: last)
+
+
+READY = {"alignment": alignment, "consensus": consensus, "states": states, "final": final}

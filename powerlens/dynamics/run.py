@@ -1,0 +1,111 @@
+"""``run``: the one ``lax.scan`` over a layer schedule, with observers.
+
+For one prompt x0 "float[n d]" and its mask valid "bool[n]", step t = 0 .. T-1 applies unique
+layer u = schedule[t] under ``rule``::
+
+    x_{t+1} = layer_step(layers.layer(u), x_t)          (design.md §1)
+
+and hands (x_t, x_{t+1}) to every observer (:mod:`powerlens.dynamics.observers`). Written
+for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
+
+Costs paid once, outside the scan: the fused q/k/v weight of every unique layer
+(:func:`~powerlens.dynamics.attention.qkv_weight`), and, for a single unique layer (a
+shared-weight system), that layer's parameters (no gather per step).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from .attention import check_attention, qkv_weight
+from .inputs import check_batch
+from .layer import check_rule, layer_step
+from .observers import READY, Observer, Step
+from .params import Layers
+
+
+def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str, attention: str,
+        observers: Mapping[str, Observer], keep_bias: Optional[bool] = None,
+        positions: "int[n] | None" = None, schedule: "int[T] | None" = None) -> Dict[str, Any]:
+    """Iterate ``layers`` from x0 and return ``{name: result}`` of every observer.
+
+    Args:
+      layers: stacked :class:`~powerlens.dynamics.params.Layers` (U unique layers).
+      x0: the initial tokens "float[n d]".
+      valid: "bool[n]", False for padding tokens (masked out of attention keys and of
+        every measure); ``None`` = all valid.
+      rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
+      observers: name -> :class:`~powerlens.dynamics.observers.Observer`, e.g.
+        ``{"final": final(), "gamma": alignment(subspaces)}``.
+      positions: token positions "int[n]" for RoPE (default 0 .. n-1).
+      schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
+
+    Returns:
+      A dict with one entry per observer: what its ``finish`` returns.
+    """
+    check_rule(rule)
+    check_attention(attention)
+    x0 = jnp.asarray(x0, layers.W_v.dtype)          # the system's precision (NumPy float64 tokens too)
+    if valid is None:
+        valid = jnp.ones(x0.shape[:1], bool)
+    sched = jnp.asarray(layers.schedule if schedule is None else schedule, jnp.int32)
+    shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
+    qkv_all = None
+    if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
+        qkv_all = qkv_weight(layers)                                    # (U, (H + 2G) e, d)
+    lp0 = layers.layer(0) if shared else None
+    qkv0 = qkv_all[0] if shared and qkv_all is not None else None
+    observers = dict(observers)
+
+    def step(carry, tu):
+        X, obs_states = carry
+        t, u = tu
+        lp = lp0 if shared else layers.layer(u)
+        qkv = qkv0 if shared else (None if qkv_all is None else qkv_all[u])
+        Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                       positions=positions, qkv=qkv)
+        info = Step(t=t, layer=u, valid=valid)
+        new, outs = {}, {}
+        for name, ob in observers.items():
+            new[name], outs[name] = ob.update(obs_states[name], X, Y, info)
+        return (Y, new), outs
+
+    init = {name: ob.init(x0, valid, layers) for name, ob in observers.items()}
+    steps = (jnp.arange(sched.shape[0], dtype=jnp.int32), sched)
+    (_, last), outs = jax.lax.scan(step, (x0, init), steps)
+    return {name: ob.finish(last[name], outs[name]) for name, ob in observers.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe"))
+def _run_batch(layers, X0, valid, positions, schedule, *, rule, attention, keep_bias, observe):
+    one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
+                           positions=positions, schedule=schedule,
+                           observers={name: READY[name]() for name in observe})
+    return jax.vmap(one)(X0, valid)
+
+
+BATCH_OBSERVERS = ("consensus", "states", "final")
+
+
+def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *, rule: str = "paper",
+              attention: str = "softmax", observe: Sequence[str] = ("final",), keep_bias: Optional[bool] = None,
+              positions: "int[n] | None" = None, schedule: "int[T] | None" = None) -> Dict[str, Any]:
+    """:func:`run` over a batch of prompts (validated, jit-compiled, vmapped), with the ready
+    observers that need no arrays, by name: ``consensus``, ``states``, ``final``.
+
+    Returns ``{name: result}`` with a leading prompt axis B, e.g. ``"final"``:
+    "float[B n d]", ``"states"``: "float[B T+1 n d]". A single prompt "float[n d]" gets B = 1.
+    """
+    check_rule(rule)
+    check_attention(attention)
+    bad = [o for o in observe if o not in BATCH_OBSERVERS]
+    if bad:
+        raise ValueError(f"unknown observer(s) {bad} for run_batch; expected some of {BATCH_OBSERVERS}")
+    X0, valid = check_batch(X0, valid, layers.config.d_model)
+    if schedule is not None:
+        schedule = jnp.asarray(schedule, jnp.int32)
+    return _run_batch(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid), positions, schedule,
+                      rule=rule, attention=attention, keep_bias=keep_bias, observe=tuple(observe))

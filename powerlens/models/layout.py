@@ -1,0 +1,88 @@
+"""How each family stores what steering changes, so that steering never reads a checkpoint.
+
+Output projection. powerlens keeps every layer's W_o as (d, H e) (column vectors,
+``y = W_o m`` for the concatenated heads m). Checkpoints store it in one of two layouts::
+
+    linear   nn.Linear / GGUF  weight (out, in) = (d, H e) = W_o      (BERT, ..., GPT-Neo, Llama)
+    conv1d   GPT-2 Conv1D      weight (in, out) = (H e, d) = W_o^T    (y = m @ weight)
+
+Each family module declares its layout when it registers its converter
+(``@register("gpt2", output_layout=CONV1D)`` in :mod:`powerlens.models.base`);
+:func:`checkpoint_delta` turns a change ΔO (d, H e) of W_o into the change of the stored
+weight, so that ``stored + checkpoint_delta(...)`` is the steered checkpoint.
+
+Read-out. :func:`unembedding_matrix` gives the token read-out rows in the residual space
+(the LM head, or the tied word embeddings mapped through ALBERT's embedding projection).
+"""
+from __future__ import annotations
+
+from typing import Dict, Union
+
+import numpy as np
+
+LINEAR = "linear"
+CONV1D = "conv1d"
+LAYOUTS = (LINEAR, CONV1D)
+
+# family -> layout of its stored output projection; the families register themselves.
+# ``synthetic`` (synthetic systems and .npz weight files) stores W_o as powerlens does.
+OUTPUT_LAYOUTS: Dict[str, str] = {"synthetic": LINEAR}
+
+
+def declare_output_layout(layout: str, *families: str) -> None:
+    """Record that ``families`` store their output projection in ``layout`` (LINEAR or CONV1D)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown output-projection layout {layout!r}; expected one of {LAYOUTS}")
+    for family in families:
+        OUTPUT_LAYOUTS[family] = layout
+
+
+def family_of(source) -> str:
+    """The family name of a family string, a :class:`ModelInfo` or a :class:`Model`."""
+    if isinstance(source, str):
+        return source
+    info = getattr(source, "info", source)          # a Model carries its ModelInfo
+    family = getattr(info, "family", None)
+    if not isinstance(family, str):
+        raise ValueError(f"expected a family name, a ModelInfo or a Model, got {type(source).__name__}")
+    return family
+
+
+def output_layout(source) -> str:
+    """LINEAR or CONV1D: how ``source``'s family (see :func:`family_of`) stores W_o."""
+    from . import families  # noqa: F401  (each family module declares its layout)
+    family = family_of(source)
+    if family not in OUTPUT_LAYOUTS:
+        raise ValueError(f"unknown storage layout for family {family!r}; known: {sorted(OUTPUT_LAYOUTS)}")
+    return OUTPUT_LAYOUTS[family]
+
+
+def checkpoint_delta(source: Union[str, object], delta_O) -> np.ndarray:
+    """ΔO (d, H e) as the change of the family's stored output-projection weight.
+
+    ``source``: a family name, a ModelInfo or a Model. Returns ΔO itself for LINEAR
+    (weight (d, H e)) and ΔO^T (H e, d) for CONV1D; for a rank-1 ΔO = α u wᵀ the latter
+    is α w uᵀ.
+    """
+    d = np.asarray(delta_O)
+    if d.ndim != 2:
+        raise ValueError(f"delta_O must be a matrix (d, H*d_head), got shape {d.shape}")
+    return d.T if output_layout(source) == CONV1D else d
+
+
+def unembedding_matrix(model) -> np.ndarray:
+    """The token read-out matrix in the residual space: (V, d), float64.
+
+    ``lm_head`` when present, otherwise the (tied) word embeddings; for ALBERT-like models
+    whose embedding width E differs from d, the word rows (V, E) are mapped through the
+    embedding projection ``project_W`` (d, E).
+    """
+    d = model.layers.config.d_model
+    if model.lm_head is not None:
+        return np.asarray(model.lm_head, np.float64)
+    W = np.asarray(model.embeddings["word"], np.float64)
+    if W.shape[1] != d:
+        if "project_W" not in model.embeddings:
+            raise ValueError(f"word embeddings have width {W.shape[1]} != d={d} and there is no projection")
+        W = W @ np.asarray(model.embeddings["project_W"], np.float64).T
+    return W
