@@ -6,12 +6,14 @@
     powerlens steer     MODEL --direction token:WORD|file.npy|random ... --out DIR
     powerlens reproduce [--models ...] [--out results] [--quick] [--seed S]
 
-Every error on bad input is printed as one line naming what is wrong (exit status 2).
+Every error on bad input is printed as one line naming what is wrong (exit status 2);
+``--debug`` anywhere on the command line shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 # transformers announces at import that torch is missing; torch is never needed here (only
@@ -22,11 +24,14 @@ MODEL_HELP = "a model folder, a .gguf file, a hub id in the local Hugging Face c
 
 
 def _common_dynamics(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention", choices=["softmax", "uniform", "identity"], default="softmax",
+    from .analysis.spectra import ORDERS
+    from .dynamics import ATTENTION_MODES, RULES
+    p.add_argument("--attention", choices=ATTENTION_MODES, default="softmax",
                    help="attention mode (default: softmax)")
-    p.add_argument("--rule", choices=["paper", "post_ln", "pre_ln"], default="paper",
-                   help="layer rule: paper x<-N2(x+Attn x); post_ln x<-LN(x+Attn x); pre_ln x<-x+Attn(LN x)")
-    p.add_argument("--order", choices=["shifted", "plain"], default="shifted",
+    p.add_argument("--rule", choices=[r for r in RULES if r != "full"], default="paper",
+                   help="layer rule: paper x<-N2(x+Attn x); post_ln x<-LN(x+Attn x); pre_ln x<-x+Attn(LN x) "
+                        "(an explicit system has no FFN, so no 'full')")
+    p.add_argument("--order", choices=ORDERS, default="shifted",
                    help="which eigenvalue is principal: by |1+lambda| (shifted, default) or |lambda| (plain)")
     p.add_argument("--keep-bias", action="store_true",
                    help="keep the constant c = O b_v + b_o in the paper rule (dropped by default)")
@@ -35,9 +40,18 @@ def _common_dynamics(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _download_flag(p: argparse.ArgumentParser) -> None:
+def _model_source(p: argparse.ArgumentParser, *, optional: bool) -> None:
+    p.add_argument("model", nargs="?" if optional else None, help=MODEL_HELP)
     p.add_argument("--allow-download", action="store_true",
                    help="fetch a hub id missing from the local Hugging Face cache (needs network; off by default)")
+
+
+def _output(p: argparse.ArgumentParser, *, default=None,
+            help="output folder (written atomically; a folder powerlens wrote is replaced whole)") -> None:
+    p.add_argument("--out", help=help, default=default, required=default is None)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if it holds files powerlens did not write (reproduce: start afresh "
+                        "instead of refusing a folder written with other settings)")
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
@@ -77,21 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="number of random prompts (default 1)")
     p.add_argument("--init", metavar="NPY", help="initial tokens (n, d) or (B, n, d) instead of random ones")
     p.add_argument("--save-states", action="store_true", help="also write states.npy (T+1, n, d) or (T+1, B, n, d)")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    _output(p)
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("spectrum", help="spectra of every layer's F_t = O_t V_t, both orderings")
-    p.add_argument("model", nargs="?", help=MODEL_HELP)
-    _download_flag(p)
+    _model_source(p, optional=True)
     _system_source(p)
     p.add_argument("--x64", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    _output(p)
     p.set_defaults(func=_spectrum)
 
     p = sub.add_parser("align", help="gamma_t and rho_t of a pretrained model on your prompts")
-    p.add_argument("model", help=MODEL_HELP)
-    _download_flag(p)
+    _model_source(p, optional=False)
     _prompt_options(p)
     p.add_argument("--rule", choices=["paper", "faithful"], default="paper",
                    help="paper: x<-N2(x+Attn x); faithful: the model's own norm placement (post_ln or pre_ln)")
@@ -99,12 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="with --shared-layer: number of iterations")
     p.add_argument("--seed", type=int, default=0, help="seed of the random-subspace control")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    _output(p)
     p.set_defaults(func=_align)
 
     p = sub.add_parser("steer", help="steer the last layer toward a direction with a rank-1 change")
-    p.add_argument("model", nargs="?", help=MODEL_HELP)
-    _download_flag(p)
+    _model_source(p, optional=True)
     p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
     p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
     p.add_argument("--direction", required=True, help="token:WORD, a .npy vector, or random")
@@ -118,12 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
     _prompt_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of a random direction and of the optimiser")
-    p.add_argument("--out", required=True, help="output folder (written atomically)")
+    _output(p)
     p.set_defaults(func=_steer)
 
     p = sub.add_parser("reproduce", help="the whole study: synthetic claims, real models, steering, report")
     p.add_argument("--models", nargs="*", default=[], help="extra Hugging Face ids to look up in the local cache")
-    p.add_argument("--out", default="results", help="output folder (default results/)")
+    _output(p, default="results", help="output folder (default results/); a run with the same settings resumes "
+                                         "into it, one with other settings is refused unless --overwrite")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (about 2 minutes)")
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same results.json")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
@@ -183,8 +195,41 @@ def _limit_blas_threads() -> None:
         pass
 
 
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+
+
+def join_negative_values(argv):
+    """``--spectrum -0.5,1`` -> ``--spectrum=-0.5,1``: argparse takes a value that starts with
+    '-' and is not a plain number for an option, so an option followed by such a value is
+    joined to it first."""
+    out = []
+    for a in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE_VALUE.match(a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for an error that reached the top: what failed, and what to do."""
+    name = type(exc).__name__
+    if isinstance(exc, MemoryError):
+        return "out of memory; use fewer tokens, prompts or steps (or drop --save-states)"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+    if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
+        return f"the accelerator or host ran out of memory ({text[:160]}); use fewer tokens, prompts or steps"
+    if isinstance(exc, OSError):
+        where = f" {exc.filename!r}" if getattr(exc, "filename", None) else ""
+        return f"cannot access{where}: {exc.strerror or text}"
+    return f"{name}: {text}"
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     args = parser.parse_args(argv)
     _limit_blas_threads()
     try:
@@ -193,12 +238,18 @@ def main(argv=None) -> int:
             with jax.enable_x64(True):          # scoped: a library caller's process keeps its setting
                 return int(args.func(args) or 0)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FloatingPointError) as exc:
-        print(f"powerlens {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"powerlens {args.command}: interrupted; finished work is kept", file=sys.stderr)
         return 130
+    except Exception as exc:                    # every failure is one line, exit 2 (--debug: the traceback)
+        if debug:
+            raise
+        if isinstance(exc, (ValueError, FileNotFoundError, FloatingPointError)) and str(exc).strip():
+            message = " ".join(str(exc).split())
+        else:
+            message = describe_failure(exc) + " (run with --debug for the traceback)"
+        print(f"powerlens {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def _atomic(path: str, write) -> str:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        _public_mode(tmp, 0o666)          # mkstemp makes 0600 files; results are for everyone to read
+        public_mode(tmp, 0o666)          # mkstemp makes 0600 files; results are for everyone to read
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -120,7 +120,7 @@ def write_marker(folder: str, command: str, settings: Optional[dict] = None) -> 
     return write_json(os.path.join(folder, MARKER), {"command": command, "settings": settings or {}})
 
 
-def _public_mode(path: str, mode: int = 0o777) -> None:
+def public_mode(path: str, mode: int = 0o777) -> None:
     """chmod to ``mode`` less the umask (mkdtemp/mkstemp make private 0700/0600 entries)."""
     mask = os.umask(0)
     os.umask(mask)
@@ -190,7 +190,7 @@ def output_dir(path: str, *, overwrite: bool = False, command: str = "powerlens"
         except OSError as exc:
             raise ValueError(f"--out {path}: cannot write there ({exc.strerror})") from None
         try:
-            _public_mode(stage)
+            public_mode(stage)
             yield stage
             write_marker(stage, command, settings)
         except BaseException:

@@ -1,7 +1,7 @@
 """Figures (matplotlib, PNG) for spectra, alignment, consensus, trajectories and steering.
 
 Every ``plot_*`` function takes NumPy arrays or plain Python values, writes one PNG
-atomically (``path + '.tmp.png'`` then :func:`os.replace`, at ``dpi=120`` with
+atomically (a unique temporary file beside it, then :func:`os.replace`, at ``dpi=120`` with
 ``bbox_inches='tight'``), and returns ``path``; with ``return_fig=True`` it returns the
 :class:`matplotlib.figure.Figure` instead (still saved), for inspection in tests.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from typing import Dict, Mapping, Optional, Sequence, Union
 
 import matplotlib
@@ -40,6 +41,8 @@ import numpy as np
 from matplotlib import patches
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+
+from ..io import public_mode
 
 DPI = 120
 __all__ = ["plot_eigenvalues", "plot_alignment", "plot_consensus", "plot_trajectories",
@@ -59,9 +62,12 @@ def save_figure(fig: Figure, path, *, return_fig: bool = False):
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    tmp = path + ".tmp.png"
+    # a unique temporary name: two runs saving the same figure never write into each other's file
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp.png", dir=parent or ".")
     try:
-        fig.savefig(tmp, dpi=DPI, bbox_inches="tight", format="png")
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, dpi=DPI, bbox_inches="tight", format="png")
+        public_mode(tmp, 0o666)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

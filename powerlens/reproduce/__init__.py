@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 import traceback
 from typing import Callable, List
@@ -65,11 +66,52 @@ def run_sections(ctx: Context, sections) -> List[SectionResult]:
     return results
 
 
+def settings_difference(old: dict, new: dict) -> str:
+    """``seed 0 -> 1, quick False -> True``: the keys whose values differ."""
+    keys = sorted(set(old) | set(new))
+    return ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
+
+
+def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
+    """Make ``out`` ready to resume into (call with the folder lock held).
+
+    A folder of a ``reproduce`` run with the same settings is resumed; one written with
+    other settings, by another command, or not by powerlens at all is refused, naming the
+    difference, unless ``overwrite``, which empties it first. Runs with different settings
+    therefore never mix their files.
+    """
+    state = io.folder_state(out)
+    problem = None
+    if state == "foreign":
+        problem = "the folder is not empty and was not written by powerlens"
+    elif state == "ours":
+        marker = io.read_marker(out)
+        if marker.get("command") != "reproduce":
+            problem = f"the folder holds the output of `powerlens {marker.get('command')}`"
+        elif marker.get("settings") != settings:
+            problem = f"the folder holds a reproduce run with other settings ({settings_difference(marker.get('settings') or {}, settings)})"
+    if problem and not overwrite:
+        raise ValueError(f"--out {out}: {problem}; pass --overwrite to start afresh, or choose another folder")
+    if problem:
+        shutil.rmtree(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        io.write_marker(out, "reproduce", settings)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
+
+
 def cmd_reproduce(args) -> int:
+    settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or []),
+                "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
+    out = io.check_out_path(args.out)
+    with io.folder_lock(out):
+        prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))
+        return _reproduce_into(out, settings, args)
+
+
+def _reproduce_into(out: str, settings: dict, args) -> int:
     from .report import render_html, render_markdown
-    settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or [])}
-    out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     store = ChunkStore(out, settings)
     ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
     sections = all_sections()
