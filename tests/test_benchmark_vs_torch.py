@@ -23,3 +23,18 @@ def test_tiny_configuration_agrees_with_torch(capsys):
         if "ratio" in x:
             assert x["ratio"] > 0
     assert "matmul 2048^3" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gpu_script_runs_on_cpu(tmp_path):
+    """benchmarks/gpu.py (workloads A-D, powerlens only) runs on whatever device JAX sees and
+    writes a JSON of timings: every workload present, every time positive."""
+    import json
+
+    import gpu
+    out = tmp_path / "t.json"
+    doc = gpu.main(["--tiny", "--repeat", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert {r["workload"] for r in doc["results"]} == {"A", "B", "C", "D"}
+    assert all(r["seconds"] > 0 for r in doc["results"])
+    assert doc["platform"] == "cpu"

@@ -1,0 +1,114 @@
+"""Workloads A-D of ``benchmarks/vs_torch.py`` on whatever device JAX sees (GPU, TPU or CPU),
+powerlens only, timings written to a JSON file. One short script, meant to be run once on a
+lent accelerator machine:
+
+    python benchmarks/gpu.py --out gpu.json            # full sizes
+    python benchmarks/gpu.py --tiny --out tiny.json    # what the test suite runs on CPU
+
+    A  MiniLM and SmolLM2, rules paper and full, states only and with every measure
+    B  MiniLM layer 3 iterated T = 1,000 times (1 x 32 tokens)
+    C  jax.grad of mean gamma w.r.t. the last W_o through all MiniLM layers
+    D  the synthetic sweep of benchmarks/simulate.py (256 systems, T = 200)
+
+Each entry holds the best of ``--repeat`` timed calls after a compiling warm-up, and the
+compile time of that warm-up. torch is not needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import powerlens as pl  # noqa: E402
+
+
+def timed(fn, repeat):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    compile_s = time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return {"seconds": best, "first_call_seconds": compile_s}
+
+
+def tokens(model, B, n, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, min(model.embeddings["word"].shape[0], 20000), size=(B, n))
+    return pl.embed_ids(model, ids, np.ones((B, n), bool))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="gpu.json")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    doc = {"device": str(dev), "platform": dev.platform, "device_count": jax.device_count(),
+           "jax": jax.__version__, "python": platform.python_version(), "tiny": args.tiny, "results": []}
+
+    def add(**entry):
+        doc["results"].append(entry)
+        print(json.dumps(entry), flush=True)
+
+    minilm = pl.load("minilm")
+    models = {"minilm": minilm} if args.tiny else {"minilm": minilm, "smollm2": pl.load("smollm2")}
+    sizes = [(1, 16), (2, 8)] if args.tiny else [(1, 16), (8, 128), (32, 128), (8, 512)]
+    for name, model in models.items():
+        subs = pl.reference_subspaces(pl.layer_spectra(np.asarray(pl.layer_matrices(model.layers))))
+        extra = [(1, 2048)] if name == "smollm2" else []
+        for B, n in sizes + extra:
+            x0, valid = tokens(model, B, n)
+            for rule in ("paper", "full"):
+                add(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
+                    **timed(lambda: pl.run_states(model, x0, valid, rule=rule), args.repeat))
+            add(workload="A", model=name, size=f"{B}x{n}", rule="paper", what="measures",
+                **timed(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid), args.repeat))
+    steps = 20 if args.tiny else 1000
+    shared = minilm.replace(layers=minilm.layers.shared(3, steps))
+    x0, valid = tokens(minilm, 1, 32)
+    add(workload="B", model="minilm layer 3", size="1x32", what=f"T={steps}",
+        **timed(lambda: pl.run_states(shared, x0, valid, rule="paper"), args.repeat))
+
+    u = jnp.asarray(np.random.default_rng(1).standard_normal(minilm.config.d_model), jnp.float32)
+    x4, v4 = tokens(minilm, 4, 32)
+
+    def loss(W, layers, x, v):
+        lay = layers.replace(W_o=layers.W_o.at[-1].set(W))
+        Y = jax.vmap(lambda a, b: pl.run(lay, a, b, rule="paper", attention="softmax",
+                                         observers={"final": pl.final()})["final"])(x, v)
+        return jnp.mean(jnp.abs(Y @ u) / (jnp.linalg.norm(Y, axis=-1) * jnp.linalg.norm(u)))
+    grad = jax.jit(jax.grad(loss))
+    L = minilm.layers
+    add(workload="C", model="minilm", size="4x32", what="grad W_o",
+        **timed(lambda: grad(L.W_o[-1], L, x4, v4), args.repeat))
+
+    from simulate import build
+    S, T = (8, 10) if args.tiny else (256, 200)
+    _, stacked, ssubs, X0 = build(S, 64, 4, 32, T)
+    sweep = jax.jit(lambda lay, x, s: jax.vmap(lambda a, b, c: pl.simulate(a, b, c))(lay, x, s))
+    add(workload="D", model=f"{S} synthetic systems", size=f"{S}x32", what=f"T={T}",
+        **timed(lambda: sweep(stacked, X0, ssubs), args.repeat))
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=2)
+    print(f"wrote {args.out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
