@@ -1,4 +1,4 @@
-"""benchmarks/vs_torch.py runs in its tiny configuration, and in every workload powerlens and
+"""The benchmark scripts run in their tiny configurations: in benchmarks/vs_torch.py powerlens and
 the torch code agree (the numbers it times are the same computation). No timing is asserted."""
 from __future__ import annotations
 
