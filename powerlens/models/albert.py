@@ -30,7 +30,7 @@ from typing import Optional, Tuple
 from ..dynamics.params import LayerConfig
 from .base import Model, ModelInfo, register
 from .bert import EMBEDDING_NAMES, ENCODER_HANDLED, ENCODER_NEUTRAL, ENCODER_ONLY, encoder_sizes, read_layers
-from .convert import activation, check_config, config_file, read_tensors, require, tokenizer_folder
+from .convert import activation, check_config, check_layer_count, config_file, read_tensors, require, tokenizer_folder
 from .layout import LINEAR
 from .reader import CheckpointError, TensorReader
 
@@ -39,6 +39,10 @@ ALBERT_NEUTRAL = ENCODER_NEUTRAL | {"classifier_dropout_prob"}
 # keys of the original ALBERT configs that Hugging Face never implemented: accepted at their defaults only
 ALBERT_ONLY = dict(ENCODER_ONLY, down_scale_factor=(1,), gap_size=(0,), net_structure_type=(0,),
                    num_memory_blocks=(0,))
+
+# the longest schedule an ALBERT config may declare (real ones have 12-24 steps); a longer run
+# of the shared layers is ``simulate``'s business, not a checkpoint's
+MAX_STEPS = 1 << 16
 
 _P = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 ALBERT_NAMES = {
@@ -59,6 +63,17 @@ ALBERT_NAMES = {
     "ffn_norm_scale": _P + "full_layer_layer_norm.weight",
     "ffn_norm_bias": _P + "full_layer_layer_norm.bias",
 }
+
+
+def check_albert_layers(L: int, G: int, I: int, names, src: str) -> None:
+    """The schedule length L*I is bounded, and G groups of I inner layers are what the file holds."""
+    if L * I > MAX_STEPS:
+        raise CheckpointError(f"{src}: num_hidden_layers={L} x inner_group_num={I} = {L * I} steps exceeds the "
+                              f"{MAX_STEPS} steps an ALBERT schedule may have")
+    if G > L:
+        raise CheckpointError(f"{src}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
+    check_layer_count(G, "num_hidden_groups", names, "encoder.albert_layer_groups.", src)
+    check_layer_count(I, "inner_group_num", names, "encoder.albert_layer_groups.0.albert_layers.", src)
 
 
 def albert_schedule(n_layers: int, n_groups: int, inner: int) -> Tuple[int, ...]:
@@ -97,8 +112,7 @@ def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") ->
     E = require(config, "embedding_size", src)
     G = require(config, "num_hidden_groups", src, default=1)
     I = require(config, "inner_group_num", src, default=1)
-    if G > L:
-        raise CheckpointError(f"{src}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
+    check_albert_layers(L, G, I, reader.names(), src)
     act = activation(config, "hidden_act", src, "gelu_new")
     emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, E), "position": (P, E), "token_type": (T, E),
                                                  "norm_scale": (E,), "norm_bias": (E,)})

@@ -32,8 +32,8 @@ from typing import Callable, Dict, Tuple
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
 from .base import Model, ModelInfo, register
-from .convert import (Stack, activation, check_config, config_file, head_size, read_tensors, require, require_all,
-                      tokenizer_folder)
+from .convert import (Stack, activation, check_config, check_layer_count, config_file, head_size, read_tensors,
+                      require, require_all, tokenizer_folder)
 from .layout import LINEAR
 from .reader import CheckpointError, TensorReader
 
@@ -130,7 +130,7 @@ def read_layers(reader: TensorReader, names: Dict[str, str], indices, config: La
     """
     H, e, d = config.n_heads, config.d_head, config.d_model
     shapes = {field: _SHAPES[field](H, e, d, f) for field in names}     # (stored, target)
-    st = Stack(len(indices), reader.dtype, {field: target for field, (_, target) in shapes.items()})
+    st = Stack(len(indices), reader.dtype, {field: target for field, (_, target) in shapes.items()}, reader.folder)
     for field, template in names.items():
         for u, idx in enumerate(indices):
             st.read(field, u, reader, template.format(**idx), shapes[field][0])
@@ -158,6 +158,7 @@ def convert_bert(config: dict, reader: TensorReader, dtype, name: str = "") -> M
     src = config_file(reader)
     check_config(config, src, family, handled=ENCODER_HANDLED, neutral=ENCODER_NEUTRAL, only=ENCODER_ONLY)
     d, H, e, L, f, V, P, T, eps = encoder_sizes(config, src)
+    check_layer_count(L, "num_hidden_layers", reader.names(), "encoder.layer.", src)
     act = activation(config, "hidden_act", src, "gelu")
     pad = config.get("pad_token_id", 1 if family == "roberta" else 0)
     offset = 0
@@ -192,6 +193,7 @@ def convert_distilbert(config: dict, reader: TensorReader, dtype, name: str = ""
     d, H, L, f, V, P = require_all(config, src, d="dim", H="n_heads", L="n_layers", f="hidden_dim", V="vocab_size",
                                    P="max_position_embeddings")
     e = head_size(d, H, src, d_key="dim", h_key="n_heads")
+    check_layer_count(L, "n_layers", reader.names(), "layer.", src)
     act = activation(config, "activation", src, "gelu")
     eps = 1e-12
     names = {k: v for k, v in EMBEDDING_NAMES.items() if k != "token_type"}

@@ -12,14 +12,17 @@ on the family:
   else is one :class:`CheckpointError` that names every offending attribute and the file.
 * :func:`require`, :func:`activation`, :func:`head_size`: one validated attribute each,
   with an error naming the file and the attribute.
+* :func:`check_layer_count`: the declared number of layers against the layer indices of
+  the tensors actually in the file, before anything per layer is built.
 * :class:`Stack`: per-layer tensors read into stacked (L, ...) arrays, each held once.
 * :func:`to_device`, :func:`read_tensors`, :func:`lm_head`, :func:`tokenizer_folder`.
 """
 from __future__ import annotations
 
 import os
+import re
 import warnings
-from typing import Collection, Dict, Mapping, Optional, Tuple
+from typing import Collection, Dict, Iterable, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
@@ -78,7 +81,8 @@ def _same(value, ok) -> bool:
     return value == ok and isinstance(value, bool) == isinstance(ok, bool)
 
 
-def _short(value, limit: int = 60) -> str:
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (for messages)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -108,9 +112,9 @@ def check_config(config: Mapping, source: str, family: str, *, handled: Collecti
         if key in allowed:
             if value is not None and not any(_same(value, ok) for ok in allowed[key]):
                 accepted = " or ".join(repr(v) for v in allowed[key])
-                problems.append(f"{key}={_short(value)} is not supported (only {accepted})")
+                problems.append(f"{key}={short_repr(value)} is not supported (only {accepted})")
         elif key not in known:
-            problems.append(f"{key}={_short(value)} is unknown")
+            problems.append(f"{key}={short_repr(value)} is unknown")
     if problems:
         raise CheckpointError(
             f"{source}: the {family} converter does not handle {len(problems)} config attribute(s), "
@@ -145,6 +149,31 @@ def require(config: Mapping, key: str, source: str, *aliases: str, kind=int, def
             raise CheckpointError(f"{source}: {key}={value!r} must be a positive number")
         value = float(value)
     return value
+
+
+def given_key(config: Mapping, key: str, *aliases: str) -> str:
+    """The first of ``key`` and its ``aliases`` that ``config`` sets (``key`` when none is set)."""
+    return next((k for k in (key,) + aliases if config.get(k) is not None), key)
+
+
+def layer_indices(names: Iterable[str], prefix: str):
+    """The sorted distinct N of the tensor names ``{prefix}N.…`` (e.g. ``h.`` -> ``h.3.attn...``)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return sorted({int(m.group(1)) for m in map(pattern.match, names) if m})
+
+
+def check_layer_count(declared: int, key: str, names: Iterable[str], prefix: str, source: str) -> None:
+    """CheckpointError naming ``source`` and ``key`` unless the tensors ``names`` hold exactly the
+    layers ``{prefix}0.`` … ``{prefix}{declared-1}.``: checked before anything per layer is
+    allocated, so a config that claims 10^9 layers costs nothing, and a config with fewer
+    layers than the file is an error rather than a silent truncation."""
+    found = layer_indices(names, prefix)
+    if len(found) == declared and (not found or found[-1] == declared - 1):
+        return
+    span = (f"N = 0..{found[-1]}" if found and found[-1] == len(found) - 1
+            else f"N in {found[:8]}{'...' if len(found) > 8 else ''}")
+    what = f"{len(found)} layer{'' if len(found) == 1 else 's'} ({prefix}N.*, {span})" if found else "no layers"
+    raise CheckpointError(f"{source}: {key}={declared}, but the checkpoint's tensors are for {what}")
 
 
 def require_all(config: Mapping, source: str, **keys) -> Tuple[int, ...]:
@@ -206,17 +235,18 @@ def read_tensors(reader: TensorReader, names: Mapping[str, str], shapes: Mapping
 class Stack:
     """Stacked arrays (L,) + shape filled one layer at a time, allocated on first use.
 
-    ``shapes``: key -> per-layer shape. ``stack[key]`` is the (L, ...) NumPy array (64-byte
-    aligned, so JAX aliases it on the CPU); :meth:`read` reads a tensor straight into one
-    layer's slot; a converter that must transform a tensor (split, transpose) assigns
+    ``shapes``: key -> per-layer shape; ``source``: the file, for errors. ``stack[key]`` is
+    the (L, ...) NumPy array (64-byte aligned, so JAX aliases it on the CPU); :meth:`read`
+    reads a tensor straight into one layer's slot (its shape checked before the stack is
+    allocated); a converter that must transform a tensor (split, transpose) assigns
     ``stack[key][i] = ...``. Each tensor is read once and the checkpoint is never held
     twice: :meth:`done` hands a filled stacked array to JAX and drops it (a converter that
     fills one key after the other keeps one stacked NumPy array alive); :meth:`finish`
     does the same for the rest and returns every key.
     """
 
-    def __init__(self, n_layers: int, dtype, shapes: Mapping[str, Tuple[int, ...]]):
-        self.n_layers, self.dtype = n_layers, np.dtype(dtype)
+    def __init__(self, n_layers: int, dtype, shapes: Mapping[str, Tuple[int, ...]], source: str = "checkpoint"):
+        self.n_layers, self.dtype, self.source = n_layers, np.dtype(dtype), source
         self.shapes = {k: tuple(s) for k, s in shapes.items()}
         self.arrays: Dict[str, np.ndarray] = {}
         self.device: Dict[str, jax.Array] = {}
@@ -225,12 +255,16 @@ class Stack:
         if key in self.device:
             raise KeyError(f"stacked array {key!r} was already handed to JAX")
         if key not in self.arrays:
-            self.arrays[key] = aligned_empty((self.n_layers,) + self.shapes[key], self.dtype)
+            shape = self.shapes[key]
+            self.arrays[key] = aligned_empty((self.n_layers,) + shape, self.dtype,
+                                             what=f"{self.source}: {key} ({self.n_layers} layers of shape {shape})")
         return self.arrays[key]
 
     def read(self, key: str, i: int, reader: TensorReader, name: str, stored: Optional[Tuple[int, ...]] = None):
         """Read tensor ``name`` of shape ``stored`` (default: the slot's shape) into slot ``i``
-        of ``key`` in place; ``stored`` must have as many elements as the slot (a reshape)."""
+        of ``key`` in place; ``stored`` must have as many elements as the slot (a reshape).
+        The tensor's stored shape is checked before the stacked array is allocated."""
+        reader.check(name, stored or self.shapes[key])
         slot = self[key][i]
         reader.get(name, stored or slot.shape, out=slot.reshape(stored) if stored else slot)
 

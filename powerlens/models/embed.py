@@ -32,7 +32,9 @@ def _tokenizer_for(path: str):
 def tokenizer(model: Model):
     """The checkpoint's own tokenizer (``AutoTokenizer`` from the folder, or the GGUF one)."""
     if model.info is None or model.info.tokenizer is None:
-        raise CheckpointError(f"model {getattr(model.info, 'name', '?')!r} has no tokenizer; pass token ids")
+        raise CheckpointError(f"model {getattr(model.info, 'name', '?')!r} has no tokenizer, so text prompts cannot be "
+                              f"embedded: pass token ids (powerlens.embed_ids), or point MODEL at a folder with "
+                              f"tokenizer files (tokenizer.json, vocab.txt, ...) or a GGUF file with a vocabulary")
     return _tokenizer_for(model.info.tokenizer)
 
 

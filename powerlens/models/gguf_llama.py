@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .base import Model
-from .convert import Stack, to_device
-from .llama import llama_info, llama_model, llama_shapes
+from .convert import Stack, check_layer_count, short_repr, to_device
+from .llama import check_rope_head_size, llama_info, llama_model, llama_shapes
 from .gguf_tokenizer import gguf_tokenizer, remember_tokenizer  # noqa: F401  (gguf_tokenizer re-exported)
-from .reader import CheckpointError
+from .reader import CheckpointError, aligned_empty, one_line
 
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -55,8 +55,11 @@ def _reader_class():
 
     The stock reader slices an ``np.memmap`` once per metadata item, and the memmap
     subclass hooks make parsing a 50k-entry vocabulary take seconds; slicing a plain
-    view of the same mapping gives the same arrays several times faster. Falls back to
-    the stock reader if the private ``_get`` hook ever changes.
+    view of the same mapping gives the same arrays several times faster. A read past the
+    end of the file is an error (the stock reader returns an empty array there, and an
+    array field of scalars whose declared length runs past the end then loops for as many
+    items as that length says). Falls back to the stock reader if the private ``_get``
+    hook ever changes.
     """
     import gguf
     import inspect
@@ -75,6 +78,9 @@ def _reader_class():
                 plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
             count = int(count)
             itemsize = int(np.dtype(dtype).itemsize)
+            if offset < 0 or count < 0 or offset + itemsize * count > plain.shape[0]:
+                raise ValueError(f"{count} item(s) of {np.dtype(dtype)} at offset {offset} run past the end "
+                                 f"of the file ({plain.shape[0]} bytes)")
             arr = plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
@@ -89,10 +95,11 @@ class GGUFFile:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path}: GGUF file not found")
         try:
-            self.reader = _reader_class()(path)
+            with np.errstate(over="ignore"):   # a corrupt offset overflows; the read past the end reports it
+                self.reader = _reader_class()(path)
         except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on bad bytes
             raise CheckpointError(
-                f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                f"{path}: not a readable GGUF file ({type(exc).__name__}: {one_line(exc)}); "
                 f"the file may be truncated or corrupt") from exc
         self.tensors = {t.name: t for t in self.reader.tensors}
 
@@ -105,7 +112,22 @@ class GGUFFile:
         try:
             return field.contents()
         except Exception as exc:
-            raise CheckpointError(f"{self.path}: cannot read GGUF metadata key {key!r} ({exc})") from exc
+            raise CheckpointError(f"{self.path}: cannot read GGUF metadata key {key!r} ({one_line(exc)})") from exc
+
+    def meta_int(self, key: str, default=None, *, minimum: int = 1) -> int:
+        """An integer metadata value >= ``minimum`` (required when ``default`` is None)."""
+        value = self.meta(key, default, required=default is None)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key}={short_repr(value)} "
+                                  f"must be an integer >= {minimum}")
+        return int(value)
+
+    def meta_float(self, key: str, default=None) -> float:
+        """A finite positive number (required when ``default`` is None)."""
+        value = self.meta(key, default, required=default is None)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not 0 < value < np.inf:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key}={short_repr(value)} must be a positive number")
+        return float(value)
 
     def release_pages(self) -> None:
         """Drop the already-read pages of the memory-mapped file from this process's
@@ -120,13 +142,8 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def get(self, name: str, shape, out: Optional[np.ndarray] = None, *, chunk_rows: int = 4096) -> np.ndarray:
-        """Tensor ``name`` dequantised (float32 math), checked for shape and finiteness.
-
-        With ``out`` (an array of ``shape``, e.g. one slot of a stacked array) the rows are
-        dequantised ``chunk_rows`` at a time straight into it, so no full-size temporary
-        is made; otherwise a new float32 array is returned.
-        """
+    def check(self, name: str, shape):
+        """The tensor ``name``, checked to exist with ``shape`` (from its header, nothing read)."""
         t = self.tensors.get(name)
         if t is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the GGUF file")
@@ -135,8 +152,20 @@ class GGUFFile:
         if gshape != shape:
             raise CheckpointError(f"{self.path}: tensor {name!r} has shape {gshape} "
                                   f"(GGUF dims {list(map(int, t.shape))}), expected {shape}")
+        return t
+
+    def get(self, name: str, shape, out: Optional[np.ndarray] = None, *, chunk_rows: int = 4096,
+            dtype=np.float32) -> np.ndarray:
+        """Tensor ``name`` dequantised (float32 math), checked for shape and finiteness.
+
+        With ``out`` (an array of ``shape``, e.g. one slot of a stacked array) the rows are
+        dequantised ``chunk_rows`` at a time straight into it, so no full-size temporary
+        is made; otherwise a new array of ``dtype`` is returned.
+        """
+        t = self.check(name, shape)
+        shape = tuple(int(s) for s in shape)
         if out is None:
-            out = np.empty(shape, np.float32)
+            out = aligned_empty(shape, dtype, what=f"{self.path}: tensor {name!r}")
         data = t.data
         rows = data.shape[0] if data.ndim > 1 else 1
         for r0 in range(0, rows, chunk_rows):
@@ -167,6 +196,25 @@ class GGUFFile:
                                   f"the file may be corrupt") from exc
 
 
+def gguf_sizes(f: GGUFFile):
+    """(d, L, H, G, ff, e, ctx, eps, theta) of a llama GGUF, each checked: a missing key, a
+    non-positive count, H not a multiple of G or an odd head size is an error naming the key."""
+    d = f.meta_int("llama.embedding_length")
+    L = f.meta_int("llama.block_count")
+    H = f.meta_int("llama.attention.head_count")
+    G = f.meta_int("llama.attention.head_count_kv", H)
+    ff = f.meta_int("llama.feed_forward_length")
+    e = f.meta_int("llama.attention.key_length", max(d // H, 1))
+    ctx = f.meta_int("llama.context_length", 0, minimum=0) or None
+    eps = f.meta_float("llama.attention.layer_norm_rms_epsilon")
+    theta = f.meta_float("llama.rope.freq_base", 10000.0)
+    if H % G:
+        raise CheckpointError(f"{f.path}: llama.attention.head_count={H} is not a multiple of "
+                              f"llama.attention.head_count_kv={G}")
+    check_rope_head_size(e, f.path, "llama.attention.key_length (or embedding_length / head_count)")
+    return d, L, H, G, ff, e, ctx, eps, theta
+
+
 def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Model:
     """Load a llama-architecture GGUF file as a :class:`~powerlens.models.base.Model`.
 
@@ -186,41 +234,31 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
     f = GGUFFile(path)
     arch = f.meta("general.architecture", required=True)
     if arch != "llama":
-        raise CheckpointError(f"{path}: unsupported GGUF architecture {arch!r} (only 'llama' is supported)")
-    k = lambda s: f"llama.{s}"
-    d = int(f.meta(k("embedding_length"), required=True))
-    L = int(f.meta(k("block_count"), required=True))
-    H = int(f.meta(k("attention.head_count"), required=True))
-    G = int(f.meta(k("attention.head_count_kv"), H))
-    ff = int(f.meta(k("feed_forward_length"), required=True))
-    eps = float(f.meta(k("attention.layer_norm_rms_epsilon"), required=True))
-    theta = float(f.meta(k("rope.freq_base"), 10000.0))
-    ctx = f.meta(k("context_length"))
-    e = int(f.meta(k("attention.key_length"), d // H))
-    if H % G:
-        raise CheckpointError(f"{path}: head_count={H} is not a multiple of head_count_kv={G}")
-    if int(f.meta(k("attention.value_length"), e)) != e:
+        raise CheckpointError(f"{path}: unsupported GGUF architecture {short_repr(arch)} (only 'llama' is supported)")
+    d, L, H, G, ff, e, ctx, eps, theta = gguf_sizes(f)
+    check_layer_count(L, "llama.block_count", f.tensors, "blk.", path)
+    if f.meta_int("llama.attention.value_length", e) != e:
         raise CheckpointError(f"{path}: attention.value_length differs from key_length (not supported)")
-    rope_dim = int(f.meta(k("rope.dimension_count"), e))
+    rope_dim = f.meta_int("llama.rope.dimension_count", e)
     if rope_dim != e:
         raise CheckpointError(f"{path}: rope.dimension_count={rope_dim} differs from the head size {e} "
                               f"(partial RoPE is not supported)")
-    scaling = f.meta(k("rope.scaling.type"))
+    scaling = f.meta("llama.rope.scaling.type")
     if scaling not in (None, "none"):
-        raise CheckpointError(f"{path}: rope.scaling.type={scaling!r} is not supported (plain RoPE only)")
-    if int(f.meta(k("expert_count"), 0) or 0) > 0:
+        raise CheckpointError(f"{path}: rope.scaling.type={short_repr(scaling)} is not supported (plain RoPE only)")
+    if f.meta_int("llama.expert_count", 0, minimum=0) > 0:
         raise CheckpointError(f"{path}: mixture-of-experts GGUF files (llama.expert_count > 0) are not supported")
     tok_embd = f.tensors.get("token_embd.weight")
-    if tok_embd is None:
-        raise CheckpointError(f"{path}: tensor 'token_embd.weight' is missing from the GGUF file")
+    if tok_embd is None or len(tok_embd.shape) != 2:
+        raise CheckpointError(f"{path}: tensor 'token_embd.weight' (2 dimensions [d, V]) is missing from the GGUF file")
     V = int(tok_embd.shape[-1])  # GGUF dims [d, V]
 
     # the embedding first: its two transient copies (NumPy + JAX) then coexist with nothing else
-    word = to_device(f.get("token_embd.weight", (V, d), np.empty((V, d), dtype)))
-    head = to_device(f.get("output.weight", (V, d), np.empty((V, d), dtype))) if f.has("output.weight") else None
+    word = to_device(f.get("token_embd.weight", (V, d), dtype=dtype))
+    head = to_device(f.get("output.weight", (V, d), dtype=dtype)) if f.has("output.weight") else None
     f.release_pages()
     # one stacked array at a time, so at most one NumPy stack is alive (see Stack.done)
-    st = Stack(L, dtype, llama_shapes(d, H, G, e, ff))
+    st = Stack(L, dtype, llama_shapes(d, H, G, e, ff), path)
     plan = {  # stacked key: (GGUF tensor suffix, numpy shape, heads to un-permute or 0)
         "W_q": ("attn_q.weight", (H * e, d), H), "W_k": ("attn_k.weight", (G * e, d), G),
         "W_v": ("attn_v.weight", (G * e, d), 0), "W_o": ("attn_output.weight", (d, H * e), 0),
@@ -229,6 +267,8 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
         "W_out": ("ffn_down.weight", (d, ff), 0),
     }
     for key, (suffix, shape, heads) in plan.items():
+        for i in range(L):                           # every shape checked before the stack is allocated
+            f.check(f"blk.{i}.{suffix}", shape)
         arr = st[key]
         for i in range(L):
             slot = arr[i].reshape(shape)             # a view of layer i's slot
@@ -239,7 +279,7 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
         st.done(key)
         f.release_pages()
     has_tokenizer = remember_tokenizer(f)          # read now: the tokenizer never parses the file again
-    info = llama_info(source=path, tokenizer=path if has_tokenizer else None, max_positions=int(ctx) if ctx else None,
+    info = llama_info(source=path, tokenizer=path if has_tokenizer else None, max_positions=ctx,
                       pad=f.meta("tokenizer.ggml.padding_token_id"), bos=f.meta("tokenizer.ggml.bos_token_id"),
                       name=name or os.path.basename(path))
     return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act="silu_glu", embeddings={"word": word},

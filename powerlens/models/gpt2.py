@@ -26,8 +26,8 @@ import numpy as np
 
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
-from .convert import (Stack, activation, check_config, config_file, head_size, lm_head, read_tensors, require,
-                      require_all, tokenizer_folder)
+from .convert import (Stack, activation, check_config, check_layer_count, config_file, given_key, head_size,
+                      lm_head, read_tensors, require, require_all, tokenizer_folder)
 from .layout import CONV1D
 
 # ---------------------------------------------------------------------- config allow-lists
@@ -62,6 +62,7 @@ def decoder_config(config: dict, reader, family: str, handled, neutral, *, width
     check_config(config, src, family, handled=handled, neutral=neutral)
     d, H, L, P, V = require_all(config, src, d=width, H=heads, L=layers, P=positions, V="vocab_size")
     e = head_size(d, H, src, d_key=width[0], h_key=heads[0])
+    check_layer_count(L, given_key(config, *layers), reader.names(), "h.", src)
     f = require(config, ffn, src, default=4 * d)
     act = activation(config, "activation_function", src, "gelu_new")
     return src, (d, H, e, L, P, V, f, act, require(config, "layer_norm_epsilon", src, kind=float, default=1e-5))
@@ -82,7 +83,7 @@ def convert_gpt2(config: dict, reader, dtype, name: str) -> Model:
         "b_q": (H, e), "b_k": (H, e), "b_v": (H, e), "b_o": (d,),
         "norm_scale": (d,), "norm_bias": (d,), "ffn_norm_scale": (d,), "ffn_norm_bias": (d,),
         "W_in": (f, d), "b_in": (f,), "W_out": (d, f), "b_out": (d,),
-    })
+    }, reader.folder)
     for i in range(L):
         p = f"h.{i}."
         c = reader.get(p + "attn.c_attn.weight", (d, 3 * d))           # (in, out)

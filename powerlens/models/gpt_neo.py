@@ -42,26 +42,39 @@ GPT_NEO_NAMES = {
 
 def attention_layers(config: dict, n_layers: int, source: str):
     """Per-layer ``global``/``local`` list expanded from ``attention_types``, as Hugging Face
-    does (it recomputes ``attention_layers`` from ``attention_types`` when loading a config)."""
+    does (it recomputes ``attention_layers`` from ``attention_types`` when loading a config).
+    The layers are counted before the list is expanded, so a huge count costs nothing."""
     types = config.get("attention_types")
     if types is None:
         layers = config.get("attention_layers")
         if layers is None:
             types = [[["global", "local"], 12]]
     if types is not None:
-        try:
-            layers = [t for kinds, count in types for _ in range(int(count)) for t in kinds]
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{source}: cannot read attention_types={types!r} ({exc})") from exc
-    layers = list(layers)
-    bad = sorted(set(layers) - {"global", "local"})
+        layers = _expand_attention_types(types, n_layers, source)
+    if not isinstance(layers, list):
+        raise CheckpointError(f"{source}: attention_layers must be a list of 'global'/'local', got {layers!r}")
+    bad = sorted({repr(t) for t in layers} - {"'global'", "'local'"})
     if bad:
-        raise CheckpointError(f"{source}: unsupported GPT-Neo attention type(s) {bad} in attention_types "
-                              f"(expected 'global' or 'local')")
+        raise CheckpointError(f"{source}: unsupported GPT-Neo attention type(s) [{', '.join(bad)}] in "
+                              f"attention_types (expected 'global' or 'local')")
     if len(layers) != n_layers:
         raise CheckpointError(
             f"{source}: attention_types give {len(layers)} layer types but num_layers={n_layers}")
     return layers
+
+
+def _expand_attention_types(types, n_layers: int, source: str):
+    """``[[kinds, count], ...]`` -> the per-layer list, once its length is known to be ``n_layers``."""
+    try:
+        groups = [(list(kinds), count) for kinds, count in types]
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: cannot read attention_types={types!r} ({exc})") from exc
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for _, c in groups):
+        raise CheckpointError(f"{source}: attention_types={types!r}: each count must be a non-negative integer")
+    total = sum(len(kinds) * count for kinds, count in groups)
+    if total != n_layers:
+        raise CheckpointError(f"{source}: attention_types give {total} layer types but num_layers={n_layers}")
+    return [t for kinds, count in groups for _ in range(count) for t in kinds]
 
 
 @register("gpt_neo", output_layout=LINEAR)
@@ -76,7 +89,7 @@ def convert_gpt_neo(config: dict, reader, dtype, name: str) -> Model:
         "W_q": (H, e, d), "W_k": (H, e, d), "W_v": (H, e, d), "W_o": (d, d), "b_o": (d,),
         "norm_scale": (d,), "norm_bias": (d,), "ffn_norm_scale": (d,), "ffn_norm_bias": (d,),
         "W_in": (f, d), "b_in": (f,), "W_out": (d, f), "b_out": (d,),
-    })
+    }, reader.folder)
     for i in range(L):    # nn.Linear (out, in) is powerlens's layout: every tensor goes straight into its slot
         for w in ("q", "k", "v"):
             st.read(f"W_{w}", i, reader, f"h.{i}.attn.attention.{w}_proj.weight", (d, d))

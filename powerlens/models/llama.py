@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
-from .convert import (Stack, activation, check_config, config_file, lm_head, read_tensors, require, require_all,
-                      tokenizer_folder)
+from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
+                      require, require_all, tokenizer_folder)
 from .layout import LINEAR
 from .reader import CheckpointError
 
@@ -82,6 +82,12 @@ def rope_theta(config: dict, source: str) -> float:
     return float(theta)
 
 
+def check_rope_head_size(e: int, source: str, key: str) -> None:
+    """RoPE rotates pairs of coordinates: the head size must be even."""
+    if e % 2:
+        raise CheckpointError(f"{source}: {key} gives an odd head size {e}; RoPE needs an even one")
+
+
 def llama_info(*, source, tokenizer, max_positions, pad, bos, name) -> ModelInfo:
     return ModelInfo(family="llama", source=source, tokenizer=tokenizer, max_positions=max_positions, decoder=True,
                      final_norm_in_hidden_states=True, pad_token_id=pad, bos_token_id=bos, name=name)
@@ -97,12 +103,14 @@ def convert_llama(config: dict, reader, dtype, name: str) -> Model:
     e = require(config, "head_dim", src, default=d // H)
     if H % G:
         raise CheckpointError(f"{src}: num_attention_heads={H} is not a multiple of num_key_value_heads={G}")
+    check_rope_head_size(e, src, "head_dim (or hidden_size / num_attention_heads)")
     act = activation(config, "hidden_act", src, "silu", GLU_ACTIVATIONS)
     theta = rope_theta(config, src)
     eps = require(config, "rms_norm_eps", src, kind=float, default=1e-6)
     ab, mb = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
 
-    st = Stack(L, dtype, llama_shapes(d, H, G, e, f, attention_bias=ab, mlp_bias=mb))
+    check_layer_count(L, "num_hidden_layers", reader.names(), "layers.", src)
+    st = Stack(L, dtype, llama_shapes(d, H, G, e, f, attention_bias=ab, mlp_bias=mb), reader.folder)
     for i in range(L):
         p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
         st["W_q"][i] = reader.get(a + "q_proj.weight", (H * e, d)).reshape(H, e, d)

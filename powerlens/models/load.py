@@ -49,7 +49,8 @@ def resolve(source: str, *, allow_download: bool = False) -> str:
             return download(source)
     raise CheckpointError(
         f"cannot find model {source!r}: not an alias ({', '.join(ALIASES)}), not a path, "
-        f"and not in the local Hugging Face cache (pass allow_download=True to fetch it when online)")
+        f"and not in the local Hugging Face cache; to fetch it from the hub, pass --allow-download "
+        f"(allow_download=True in Python) on a machine that is online")
 
 
 def hf_cache_dir() -> str:

@@ -12,7 +12,12 @@ Keys (H heads, e = d_head, d = width, L layers; the layer axis is optional):
     b_o   (d,)       or (L, d)            optional
     scale ()         or (L,)              optional softmax scale (default 1/sqrt(e))
     window ()        or (L,)              optional local window (default 0 = global)
-    causal ()                             optional bool (default False)
+    causal ()                             optional bool, or a 0/1 integer (default False)
+
+Types are checked, never cast: the weights are real (float or integer) arrays, ``window``
+holds integers >= 0; complex, bool, string and object arrays are refused by name. Every
+array's header is read first, and one that declares more than the memory available or
+than the file holds is refused before anything is read.
 
 Without a layer axis the file is one layer; ``--steps T`` then iterates it T times
 as a shared-weight system. Initial tokens come separately (``--init x0.npy``, (n, d)
@@ -22,41 +27,130 @@ from __future__ import annotations
 
 import os
 import zipfile
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
+from .reader import CheckpointError, check_allocation, human_bytes, one_line
 
 _PER_HEAD = ("W_q", "W_k", "W_v")
 _BIASES = ("b_q", "b_k", "b_v")
 KNOWN = set(_PER_HEAD + _BIASES + ("W_o", "b_o", "scale", "window", "causal"))
+# dtype kinds each key accepts (f float, i/u integer, b bool); anything else is refused by name,
+# never cast: complex would lose its imaginary part, bool and strings are not weights
+_KINDS = dict({k: "fiu" for k in KNOWN}, window="iu", causal="biu")
+_EXPECTED = {"fiu": "real numbers (float or integer)", "iu": "integers", "biu": "a bool (or a 0/1 integer)"}
+
+
+def _npy_header(z: zipfile.ZipFile, member: str, path: str, key: str) -> Tuple[Tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, bytes of data held) of one ``.npy`` member, from its header alone."""
+    fmt = np.lib.format
+    try:
+        with z.open(member) as fh:
+            version = fmt.read_magic(fh)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f".npy format version {version} is not supported")
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(fh)
+            held = z.getinfo(member).file_size - fh.tell()
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: key {key!r} is not a readable .npy array ({one_line(exc)})") from exc
+    return tuple(int(n) for n in shape), dtype, held
+
+
+def _check_header(path: str, key: str, shape, dtype: np.dtype, held: int) -> int:
+    """The declared byte size of ``key``, once its dtype is one the key accepts and its size is
+    both available in memory and actually held by the file."""
+    kinds = _KINDS[key]
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in kinds:
+        raise CheckpointError(f"{path}: key {key!r} has dtype {dtype}; expected {_EXPECTED[kinds]} "
+                              f"(it is refused, not converted)")
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    check_allocation(nbytes, f"{path}: key {key!r} of shape {shape} {dtype}")
+    if nbytes > held:
+        raise CheckpointError(f"{path}: key {key!r} declares shape {shape} {dtype} ({human_bytes(nbytes)}) but the "
+                              f"file holds only {human_bytes(held)} of it; the file is truncated or corrupt")
+    return nbytes
+
+
+def read_npz(path: str) -> Dict[str, np.ndarray]:
+    """The arrays of a weights file. Every member's header is checked (known key, accepted
+    dtype, declared size in memory and in the file) before any array is read."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"weights file {path!r} does not exist")
+    try:
+        with zipfile.ZipFile(path) as z:
+            members = {(m[:-4] if m.endswith(".npy") else m): m for m in z.namelist()}
+            unknown = sorted(set(members) - KNOWN)
+            if unknown:
+                raise CheckpointError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(KNOWN)}")
+            total = sum(_check_header(path, key, *_npy_header(z, m, path, key)) for key, m in members.items())
+            check_allocation(total, f"{path}: the arrays of the file")
+            return {key: _read_member(z, m, path, key) for key, m in members.items()}
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"{path}: not a readable .npz file ({one_line(exc)})") from exc
+
+
+def _read_member(z: zipfile.ZipFile, member: str, path: str, key: str) -> np.ndarray:
+    try:
+        with z.open(member) as fh:
+            return np.lib.format.read_array(fh, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot read key {key!r} ({one_line(exc)})") from exc
+
+
+def _causal(path: str, data: Dict[str, np.ndarray]) -> bool:
+    """``causal``: a scalar bool, or a 0/1 integer scalar."""
+    if "causal" not in data:
+        return False
+    a = data["causal"]
+    if a.shape != ():
+        raise CheckpointError(f"{path}: key 'causal' must be a scalar (True/False), got shape {a.shape}")
+    if a.dtype.kind != "b" and int(a) not in (0, 1):
+        raise CheckpointError(f"{path}: key 'causal' is {int(a)}; expected a bool (or 0/1)")
+    return bool(a)
+
+
+def _check_window(path: str, window: Optional[np.ndarray]) -> None:
+    if window is not None and window.size and int(window.min()) < 0:
+        raise CheckpointError(f"{path}: key 'window' has the value {int(window.min())}; a local window is a "
+                              f"number of keys >= 0 (0 = global attention)")
+
+
+def _as_float(path: str, key: str, a: Optional[np.ndarray], dtype) -> Optional[np.ndarray]:
+    """``a`` as ``dtype``; finite values that the cast would overflow to inf are an error."""
+    if a is None:
+        return None
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(a, dtype)
+    if not np.all(np.isfinite(out)):
+        raise CheckpointError(f"{path}: key {key!r} has values up to {float(np.max(np.abs(a))):.3g}, beyond the "
+                              f"{np.dtype(dtype)} range; use --x64 (float64) or rescale the weights")
+    return out
 
 
 def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
                      dtype=np.float32) -> Layers:
-    """Read and validate a weights file; errors name the file and the key at fault."""
-    if not os.path.isfile(path):
-        raise ValueError(f"weights file {path!r} does not exist")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            data = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: not a readable .npz file ({exc})") from exc
-    unknown = sorted(set(data) - KNOWN)
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {unknown}; expected some of {sorted(KNOWN)}")
+    """Read and validate a weights file; errors name the file and the key at fault.
+
+    Types and values are checked, never cast: complex, bool, string or object arrays,
+    a non-scalar or non-bool ``causal``, a negative or non-integer ``window`` are
+    CheckpointErrors naming the key, and so is an array whose declared size exceeds the
+    memory available or what the file holds (checked before it is read).
+    """
+    data = read_npz(path)
     for key in ("W_v", "W_o"):
         if key not in data:
-            raise ValueError(f"{path}: required key {key!r} is missing")
+            raise CheckpointError(f"{path}: required key {key!r} is missing")
     if attention == "softmax":
         for key in ("W_q", "W_k"):
             if key not in data:
-                raise ValueError(f"{path}: key {key!r} is missing; it is required for --attention softmax "
-                                 f"(it may be left out only for uniform or identity attention)")
-    W_v = np.asarray(data["W_v"])
+                raise CheckpointError(f"{path}: key {key!r} is missing; it is required for --attention softmax "
+                                      f"(it may be left out only for uniform or identity attention)")
+    W_v = data["W_v"]
     if W_v.ndim not in (3, 4):
-        raise ValueError(f"{path}: W_v must have shape (H, d_head, d) or (L, H, d_head, d), got {W_v.shape}")
+        raise CheckpointError(f"{path}: W_v must have shape (H, d_head, d) or (L, H, d_head, d), got {W_v.shape}")
     stacked = W_v.ndim == 4
     if not stacked:
         W_v = W_v[None]
@@ -65,17 +159,15 @@ def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
     def get(key: str, per_layer_shape: tuple) -> Optional[np.ndarray]:
         if key not in data:
             return None
-        a = np.asarray(data[key])
-        if not np.issubdtype(a.dtype, np.number):
-            raise ValueError(f"{path}: key {key!r} has non-numeric dtype {a.dtype}")
+        a = data[key]
         want = ((L,) + per_layer_shape) if stacked else per_layer_shape
         if key in ("scale", "window") and a.ndim == 0:
             a = np.broadcast_to(a, (L,))
             want = (L,)
         if tuple(a.shape) != tuple(want):
-            raise ValueError(f"{path}: key {key!r} has shape {a.shape}, expected {want}")
+            raise CheckpointError(f"{path}: key {key!r} has shape {a.shape}, expected {want}")
         if not np.all(np.isfinite(a)):
-            raise ValueError(f"{path}: key {key!r} contains non-finite values (NaN or inf)")
+            raise CheckpointError(f"{path}: key {key!r} contains non-finite values (NaN or inf)")
         if not stacked and key not in ("scale", "window"):
             a = a[None]
         return a
@@ -83,18 +175,16 @@ def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
     arrays = {
         "W_q": get("W_q", (H, e, d)), "W_k": get("W_k", (H, e, d)), "W_o": get("W_o", (d, H * e)),
         "b_q": get("b_q", (H, e)), "b_k": get("b_k", (H, e)), "b_v": get("b_v", (H, e)), "b_o": get("b_o", (d,)),
+        "scale": get("scale", ()),
     }
     if not np.all(np.isfinite(W_v)):
-        raise ValueError(f"{path}: key 'W_v' contains non-finite values (NaN or inf)")
-    scale = get("scale", ())
+        raise CheckpointError(f"{path}: key 'W_v' contains non-finite values (NaN or inf)")
     window = get("window", ())
-    causal = bool(np.asarray(data["causal"]).item()) if "causal" in data else False
-    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=causal, norm=norm)
-    cast = lambda a: None if a is None else np.asarray(a, dtype)
-    return make_layers(cast(W_v), cast(arrays.pop("W_o")), W_q=cast(arrays.pop("W_q")), W_k=cast(arrays.pop("W_k")),
-                       scale=None if scale is None else np.asarray(scale, dtype),
-                       window=None if window is None else np.asarray(window, np.int32), config=cfg,
-                       **{k: cast(v) for k, v in arrays.items()})
+    _check_window(path, window)
+    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=_causal(path, data), norm=norm)
+    floats = {k: _as_float(path, k, v, dtype) for k, v in dict(arrays, W_v=W_v).items()}
+    return make_layers(floats.pop("W_v"), floats.pop("W_o"), W_q=floats.pop("W_q"), W_k=floats.pop("W_k"),
+                       window=None if window is None else np.asarray(window, np.int32), config=cfg, **floats)
 
 
 def save_weights_npz(path: str, layers: Layers) -> str:

@@ -12,12 +12,19 @@ Name prefixes such as ``bert.``, ``transformer.`` and ``model.`` are stripped; b
 (``h.0.attn.bias`` is a buffer, ``h.0.attn.c_attn.bias`` is not). A missing tensor, a
 wrong shape, an unsupported dtype or a non-finite value is an error that names the
 file and the tensor. fp16/bf16 are upcast to the requested float dtype.
+
+Nothing large is allocated on the word of a file: a header entry must lie inside the
+file before its tensor is read, and every allocation made on a file's behalf is checked
+first against the memory this process can still get (:func:`check_allocation`).
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import struct
+import warnings
 from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -30,13 +37,74 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _ST_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 ALIGN = 64   # XLA's CPU client aliases (does not copy) host buffers aligned like this
 _FINITE_CHUNK = 1 << 22  # elements per finiteness check (bounds the boolean temporary)
+MAX_HEADER = 100 << 20   # the safetensors format's own limit on the JSON header
 
 
-def aligned_empty(shape, dtype, align: int = ALIGN) -> np.ndarray:
-    """Uninitialised C-contiguous array whose data pointer is ``align``-byte aligned."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit what the converter expects."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message as one line of at most ``limit`` characters (for wrapping)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
+def _address_space_left() -> Optional[int]:
+    """What ``RLIMIT_AS`` still allows this process to map, or None without a limit."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm") as fh:
+            used = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        return max(int(soft) - used, 0)
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+
+
+def available_memory() -> Optional[int]:
+    """Bytes this process can still allocate: the machine's available memory (psutil when
+    installed, else free pages), capped by ``RLIMIT_AS``; None when neither is known."""
+    try:
+        import psutil
+        avail = int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil is optional; fall back to sysconf
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    limit = _address_space_left()
+    known = [a for a in (avail, limit) if a is not None]
+    return min(known) if known else None
+
+
+def check_allocation(nbytes: int, what: str) -> None:
+    """CheckpointError naming ``what`` when ``nbytes`` exceed the memory available."""
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        raise CheckpointError(f"{what} needs {human_bytes(nbytes)}, more than the {human_bytes(avail)} of memory "
+                              f"available; the file declares more than it can hold, or the machine is too small")
+
+
+def aligned_empty(shape, dtype, align: int = ALIGN, *, what: Optional[str] = None) -> np.ndarray:
+    """Uninitialised C-contiguous array whose data pointer is ``align``-byte aligned.
+
+    The size is checked first with :func:`check_allocation` (``what`` names the array in
+    the error; default: its shape and dtype)."""
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    check_allocation(nbytes + align, what or f"an array of shape {shape} {dtype}")
     raw = np.empty(nbytes + align, np.uint8)
     off = (-raw.ctypes.data) % align
     return raw[off:off + nbytes].view(dtype).reshape(shape)
@@ -52,8 +120,52 @@ def _is_buffer(name: str) -> bool:
     return any(name == s or name.endswith("." + s) for s in SKIP_SUFFIXES)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit what the converter expects."""
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _inside(shard) -> bool:
+    """True for a relative path that stays inside its folder (``a.safetensors``, ``sub/a``)."""
+    if not isinstance(shard, str) or not shard or "\x00" in shard or os.path.isabs(shard):
+        return False
+    norm = os.path.normpath(shard)
+    return norm not in (".", "..") and not norm.startswith(".." + os.sep)
+
+
+def shard_files(folder: str, index: str):
+    """The shard paths listed by a ``model.safetensors.index.json``, each checked to be a
+    file inside ``folder`` (an absolute path or ``..`` is refused before anything is opened)."""
+    try:
+        with open(index) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{index}: cannot read the shard index ({one_line(exc)})") from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: 'weight_map' must be a non-empty JSON object mapping tensor names to "
+                              f"shard files, got {_kind(weight_map)}")
+    for shard in weight_map.values():
+        if not _inside(shard):
+            raise CheckpointError(f"{index}: refusing shard {shard!r}: a shard must be a file name relative to the "
+                                  f"model folder, not a path outside it")
+    paths = [os.path.join(folder, s) for s in sorted(set(weight_map.values()))]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
+    return paths
+
+
+def _kind(value) -> str:
+    return "nothing" if value is None else f"a JSON {type(value).__name__} ({repr(value)[:40]})"
+
+
+_UNPICKLER_REASON = re.compile(r"WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)", re.S)
+
+
+def unsafe_pickle_reason(exc: BaseException) -> str:
+    """The short reason in torch's ``weights_only`` rejection (one line)."""
+    m = _UNPICKLER_REASON.search(str(exc))
+    return one_line(m.group(1) if m and m.group(1).strip() else exc, 160)
 
 
 def _strip(name: str, prefixes: Sequence[str]) -> str:
@@ -74,7 +186,7 @@ class TensorReader:
         self.dtype = np.dtype(dtype)
         self._index: Dict[str, Tuple[str, str]] = {}   # stripped name -> (file, original name)
         self._torch_state = None
-        self._headers: Dict[str, Tuple[int, dict]] = {}
+        self._headers: Dict[str, Tuple[int, dict, int]] = {}   # path -> (data start, header, data size)
         files = self._weight_files(folder)
         self.files = files
         for path in files:
@@ -92,16 +204,7 @@ class TensorReader:
         if os.path.isfile(single):
             return [single]
         if os.path.isfile(index):
-            try:
-                with open(index) as fh:
-                    shards = sorted(set(json.load(fh)["weight_map"].values()))
-            except (OSError, ValueError, KeyError) as exc:
-                raise CheckpointError(f"{index}: cannot read the shard index ({exc})") from exc
-            paths = [os.path.join(folder, s) for s in shards]
-            missing = [p for p in paths if not os.path.isfile(p)]
-            if missing:
-                raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
-            return paths
+            return shard_files(folder, index)
         if os.path.isfile(binary):
             return [binary]
         raise CheckpointError(
@@ -116,7 +219,7 @@ class TensorReader:
             with safe_open(path, "np") as f:
                 return list(f.keys())
         except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+            raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
 
     def _load_torch(self, path: str):
         if self._torch_state is None:
@@ -127,9 +230,21 @@ class TensorReader:
                     f"{path}: this checkpoint is only available as pytorch_model.bin, which needs torch "
                     f"to read; install torch or convert it to model.safetensors") from None
             try:
-                self._torch_state = torch.load(path, map_location="cpu", weights_only=True)
+                with warnings.catch_warnings():   # torch warns (several lines) about unusual pickle protocols
+                    warnings.simplefilter("ignore")
+                    state = torch.load(path, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(f"{path}: refused: the pickle holds more than tensors, and powerlens never "
+                                      f"runs checkpoint code ({unsafe_pickle_reason(exc)}); convert the file to "
+                                      f"model.safetensors with a trusted tool") from None
             except Exception as exc:
-                raise CheckpointError(f"{path}: cannot read pytorch_model.bin ({exc})") from exc
+                raise CheckpointError(f"{path}: cannot read pytorch_model.bin ({one_line(exc)})") from None
+            bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)] \
+                if isinstance(state, dict) else None
+            if bad is None or bad:
+                raise CheckpointError(f"{path}: expected a state dict of named tensors, "
+                                      f"got {type(state).__name__}" + (f" with entries {bad[:3]!r}" if bad else ""))
+            self._torch_state = state
         return self._torch_state
 
     # ------------------------------------------------------------------ access
@@ -150,62 +265,88 @@ class TensorReader:
         Raises CheckpointError naming the tensor when it is missing, has another shape,
         an unsupported dtype, or non-finite values.
         """
-        if name not in self._index:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
-        path, orig = self._index[name]
         out_dtype = np.dtype(out.dtype if out is not None else (dtype if dtype is not None else self.dtype))
         if out is not None:
             if shape is None:
                 shape = out.shape
             elif tuple(out.shape) != tuple(shape):
                 raise ValueError(f"destination for tensor {name!r} has shape {out.shape}, expected {tuple(shape)}")
+        stored = self.check(name, shape)
+        path, orig = self._index[name]
         if path.endswith(".bin"):
-            t = self._load_torch(path)[orig]
-            if not t.is_floating_point():
-                raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}")
-            arr = t.float().numpy()
-            if shape is not None and tuple(arr.shape) != tuple(shape):
-                raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
-            dst = out if out is not None else aligned_empty(arr.shape, out_dtype)
-            dst[...] = arr
-            del arr
+            dst = out if out is not None else self._empty(path, name, stored, out_dtype)
+            dst[...] = self._load_torch(path)[orig].float().numpy()
         else:
-            dst = self._read_safetensors(path, orig, name, shape, out_dtype, out)
+            dst = self._read_safetensors(path, orig, name, out_dtype, out)
         if not all_finite(dst):
             raise CheckpointError(f"{path}: tensor {name!r} contains non-finite values (NaN or inf)")
         return dst
 
-    def _header(self, path: str) -> Tuple[int, dict]:
-        """(start of the data section, header dict) of a safetensors file."""
+    def check(self, name: str, shape: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
+        """The stored shape of tensor ``name``, read from the file's header without reading the
+        tensor; a CheckpointError naming it when it is missing, of a non-float dtype, of
+        another ``shape``, or (safetensors) described by a header entry that does not fit the file."""
+        if name not in self._index:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        path, orig = self._index[name]
+        if path.endswith(".bin"):
+            t = self._load_torch(path)[orig]
+            if not t.is_floating_point():
+                raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {t.dtype}")
+            stored = tuple(int(s) for s in t.shape)
+        else:
+            stored = self._entry(path, orig, name)[1]
+        if shape is not None and stored != tuple(shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {stored}, expected {tuple(shape)}")
+        return stored
+
+    @staticmethod
+    def _empty(path, name, shape, dtype) -> np.ndarray:
+        return aligned_empty(shape, dtype, what=f"{path}: tensor {name!r} of shape {tuple(shape)}")
+
+    def _header(self, path: str) -> Tuple[int, dict, int]:
+        """(start of the data section, header dict, size of the data section) of a safetensors file."""
         if path not in self._headers:
             try:
                 with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
                     (n,) = struct.unpack("<Q", fh.read(8))
+                    if n > min(MAX_HEADER, size - 8):
+                        raise ValueError(f"header length {n} exceeds the file or the format's limit")
                     header = json.loads(fh.read(n))
-            except (OSError, ValueError, struct.error) as exc:
-                raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
-            self._headers[path] = (8 + n, header)
+            except (OSError, ValueError, RecursionError, struct.error) as exc:
+                raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
+            if not isinstance(header, dict):
+                raise CheckpointError(f"{path}: not a readable safetensors file (the header is not a JSON object)")
+            self._headers[path] = (8 + n, header, size - 8 - n)
         return self._headers[path]
 
-    def _read_safetensors(self, path, orig, name, shape, out_dtype, out):
-        base, header = self._header(path)
+    def _entry(self, path, orig, name):
+        """(dtype, shape, begin, end) of a header entry, checked against the data section."""
+        _, header, data_size = self._header(path)
         meta = header.get(orig)
         try:
-            st_dtype, st_shape = meta["dtype"], tuple(int(s) for s in meta["shape"])
-            begin, end = (int(o) for o in meta["data_offsets"])
+            st_dtype, st_shape = meta["dtype"], tuple(meta["shape"])
+            begin, end = meta["data_offsets"]
         except (TypeError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r} ({exc})") from exc
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r} ({one_line(exc)})") from exc
+        if not all(_is_count(v) for v in st_shape + (begin, end)):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r} (shape {list(st_shape)!r}, "
+                                  f"data_offsets {[begin, end]!r}: expected non-negative integers)")
         if st_dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"{path}: tensor {name!r} has unsupported dtype {st_dtype} (expected one of {FLOAT_DTYPES})")
-        if shape is not None and st_shape != tuple(shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {st_shape}, expected {tuple(shape)}")
+        count = int(np.prod(st_shape, dtype=object))
+        if end - begin != count * np.dtype(_ST_NUMPY[st_dtype]).itemsize or end > data_size:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes at [{begin}, {end}) for shape "
+                                  f"{st_shape} {st_dtype} in a data section of {data_size} bytes; the file is corrupt")
+        return st_dtype, st_shape, begin, end
+
+    def _read_safetensors(self, path, orig, name, out_dtype, out):
+        base = self._header(path)[0]
+        st_dtype, st_shape, begin, end = self._entry(path, orig, name)
         src = np.dtype(_ST_NUMPY[st_dtype])
-        count = int(np.prod(st_shape, dtype=np.int64))
-        if end - begin != count * src.itemsize:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {st_shape} {st_dtype}; "
-                                  f"the file is corrupt")
-        dst = out if out is not None else aligned_empty(st_shape, out_dtype)
+        dst = out if out is not None else self._empty(path, name, st_shape, out_dtype)
         if not dst.flags.c_contiguous:
             raise ValueError(f"destination for tensor {name!r} must be C-contiguous")
         direct = st_dtype != "BF16" and src.newbyteorder("=") == dst.dtype and src.isnative
@@ -215,7 +356,7 @@ class TensorReader:
                 fh.seek(base + begin)
                 got = fh.readinto(memoryview(buf.reshape(-1).view(np.uint8)))
         except OSError as exc:
-            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({one_line(exc)})") from exc
         if got != end - begin:
             raise CheckpointError(f"{path}: tensor {name!r} is cut short ({got} of {end - begin} bytes); "
                                   f"the file is truncated or corrupt")
@@ -237,6 +378,9 @@ def read_config(folder: str) -> dict:
         raise CheckpointError(f"{folder}: config.json is missing (not a Hugging Face model folder)")
     try:
         with open(path) as fh:
-            return json.load(fh)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+            config = json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:   # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path}: invalid JSON ({one_line(exc)})") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: config.json must be a JSON object of model attributes, got {_kind(config)}")
+    return config

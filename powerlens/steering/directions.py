@@ -6,8 +6,8 @@
     FILE.npy     a saved vector of shape (d,)
     random       a seeded Gaussian direction (uniform on the unit sphere of R^d)
 
-Every direction is returned as a unit float64 vector (d,). A zero, non-finite or
-wrongly-sized direction, and a WORD that the tokenizer maps to several tokens or to
+Every direction is returned as a unit float64 vector (d,). A complex, bool, zero,
+non-finite or wrongly-sized direction, and a WORD that the tokenizer maps to several tokens or to
 the unknown token, are ``ValueError``s that name the culprit.
 """
 from __future__ import annotations
@@ -38,12 +38,10 @@ class Direction:
 def as_direction(u, d: Optional[int] = None, *, name: str = "direction") -> np.ndarray:
     """Validate u and return u / ||u|| as float64 (d,).
 
-    Raises ValueError for a non-vector, a wrong width, a non-finite entry or a zero vector.
+    Raises ValueError for a non-real dtype (complex, bool, strings: never cast), a
+    non-vector, a wrong width, a non-finite entry or a zero vector.
     """
-    try:
-        a = np.asarray(u, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a real vector, got {type(u).__name__}") from None
+    a = _real_array(u, name)
     if a.ndim != 1:
         raise ValueError(f"{name} must be a vector of shape (d,), got shape {a.shape}")
     if d is not None and a.shape[0] != d:
@@ -54,6 +52,19 @@ def as_direction(u, d: Optional[int] = None, *, name: str = "direction") -> np.n
     if n == 0.0 or not np.isfinite(n):
         raise ValueError(f"{name} is the zero vector: it has no direction")
     return a / n
+
+
+def _real_array(u, name: str) -> np.ndarray:
+    """``u`` as float64 when its dtype is real (float or integer); complex, bool, strings and
+    objects are refused, never cast (a complex vector would silently lose its imaginary part)."""
+    try:
+        a = np.asarray(u)
+    except (TypeError, ValueError):
+        a = None
+    if a is None or a.dtype.kind not in "fiu":
+        kind = f"dtype {a.dtype}" if a is not None else type(u).__name__
+        raise ValueError(f"{name} must be a real vector, got {kind}")
+    return a.astype(np.float64)
 
 
 def random_direction(d: int, seed: int = 0) -> np.ndarray:
