@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face decoders (GPT-2, GPT-Neo, Llama) for the equivalence tests.
+"""Tiny random Hugging Face decoders (GPT-2, GPT-Neo, Llama, Mistral, Qwen2) for the equivalence tests.
 
 The default HF initialisation (std 0.02) gives almost uniform attention and near-identity
 blocks, which would hide a wrong mask or a wrong transpose; ``randomize`` redraws every
@@ -12,6 +12,17 @@ import numpy as np
 import torch
 
 VOCAB = 61
+
+# Llama-style families: (config class, causal-LM class, base class, defaults); 4 query heads
+# over 2 key/value heads and head_dim 16 != d / H, windows 3 < the 7-token prompts
+LLAMA_LIKE = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel", dict(sliding_window=3)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model",
+              dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+}
+LLAMA_LIKE_BASE = dict(vocab_size=VOCAB, max_position_embeddings=32, hidden_size=48, intermediate_size=40,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       rms_norm_eps=1e-5)
 
 
 def randomize(model, seed: int, *, std: float = 1.2, zero=()):
@@ -66,6 +77,10 @@ def build(kind: str, folder: str, *, seed: int = 0, head: bool = True, attn: str
                     num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, rms_norm_eps=1e-5)
         config = tf.LlamaConfig(**{**base, **cfg})
         cls = tf.LlamaForCausalLM if head else tf.LlamaModel
+    elif kind in LLAMA_LIKE:
+        config_cls, lm_cls, base_cls, defaults = LLAMA_LIKE[kind]
+        config = getattr(tf, config_cls)(**{**LLAMA_LIKE_BASE, **defaults, **cfg})
+        cls = getattr(tf, lm_cls if head else base_cls)
     else:
         raise ValueError(kind)
     config._attn_implementation = attn
@@ -79,13 +94,14 @@ def build(kind: str, folder: str, *, seed: int = 0, head: bool = True, attn: str
     return model
 
 
-def batch(n: int = 7, lengths=(7, 4), seed: int = 0):
-    """Right-padded random token ids (B, n) and attention mask (B, n) (zeros at the end)."""
+def batch(n: int = 7, lengths=(7, 4), seed: int = 0, *, left: bool = False):
+    """Right-padded random token ids (B, n) and attention mask (B, n) (zeros at the end);
+    ``left``: left-padded instead (zeros at the start)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, VOCAB, size=(len(lengths), n))
     mask = np.zeros((len(lengths), n), np.int64)
     for b, L in enumerate(lengths):
-        mask[b, :L] = 1
+        mask[b, slice(n - L, n) if left else slice(0, L)] = 1
     return ids, mask
 
 
@@ -115,3 +131,79 @@ def hf_logits(model, ids, mask):
     with torch.no_grad():
         out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
     return out.logits.double().numpy()
+
+
+def max_err(a, b, valid):
+    """Max abs difference of a and b (..., B, n, d) at the valid (B, n) positions."""
+    return float(np.max(np.abs(np.asarray(a, np.float64)[..., valid, :] - np.asarray(b, np.float64)[..., valid, :])))
+
+
+def llama_F(model):
+    """F_t = W_o concat_h(W_v of head h's key/value group), from the torch weights of a
+    Llama-style model (Llama, Mistral, Qwen2): (L, d, d) float64, written out per head."""
+    base = model.base_model if hasattr(model, "base_model") else model
+    sd = {k: v.double().numpy() for k, v in base.state_dict().items()}
+    c = model.config
+    H, G = c.num_attention_heads, c.num_key_value_heads
+    e = getattr(c, "head_dim", None) or c.hidden_size // H
+    Fs = []
+    for i in range(c.num_hidden_layers):
+        Wo, Wv = sd[f"layers.{i}.self_attn.o_proj.weight"], sd[f"layers.{i}.self_attn.v_proj.weight"]
+        g = lambda h: h // (H // G)
+        Fs.append(sum(Wo[:, h * e:(h + 1) * e] @ Wv[g(h) * e:(g(h) + 1) * e] for h in range(H)))
+    return np.stack(Fs)
+
+
+# Hugging Face tensor name -> GGUF tensor name (llama.cpp's gguf-py tensor_mapping.py)
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+GGUF_BLOCK_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+
+
+def llama_cpp_permute(w, n_head):
+    """``LlamaModel.permute`` of llama.cpp's convert_hf_to_gguf.py (HF rotate_half rows -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model, arch: str, *, permute: bool):
+    """Write a tiny Llama-style causal LM as an F32 GGUF of architecture ``arch``, the way
+    llama.cpp's converter does: metadata ``{arch}.…``, tensors renamed, no ``output`` when
+    the head is tied, and (``permute``: its ``llama`` converter) the rows of q/k weights and
+    biases permuted for the interleaved RoPE."""
+    import gguf
+    c = model.config
+    H, G = c.num_attention_heads, c.num_key_value_heads
+    e = getattr(c, "head_dim", None) or c.hidden_size // H
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(G)
+    w.add_key_length(e)
+    w.add_value_length(e)
+    w.add_rope_dimension_count(e)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        arr = t.detach().float().numpy()
+        if name in GGUF_NAMES:
+            out = GGUF_NAMES[name]
+        else:
+            _, _, i, rest = name.split(".", 3)                 # model.layers.N.<module>.<weight|bias>
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{i}.{GGUF_BLOCK_NAMES[module]}.{kind}"
+            if permute and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                arr = llama_cpp_permute(arr, H if module == "self_attn.q_proj" else G)
+        w.add_tensor(out, np.ascontiguousarray(arr, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

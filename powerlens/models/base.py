@@ -26,14 +26,15 @@ from .layout import declare_output_layout
 class ModelInfo:
     """Static facts about a loaded checkpoint.
 
-    family: ``bert``, ``albert``, ``roberta``, ``distilbert``, ``gpt2``, ``gpt_neo`` or ``llama``.
+    family: ``bert``, ``albert``, ``roberta``, ``distilbert``, ``gpt2``, ``gpt_neo``, ``llama``,
+    ``mistral`` or ``qwen2``.
     source: the path it was read from. tokenizer: a folder for ``AutoTokenizer`` or a
     ``.gguf`` path. max_positions: longest prompt the position embeddings allow
     (None = unbounded, RoPE). decoder: causal LM. hidden_state_steps: the schedule
     step indices (1-based counts of steps done) after which Hugging Face records
     ``hidden_states[1:]`` (ALBERT with inner groups records after each outer layer).
     final_norm_in_hidden_states: HF applies the final norm to the last hidden state
-    (GPT-2, GPT-Neo, Llama). pad_token_id, bos_token_id: for embedding.
+    (GPT-2, GPT-Neo, Llama, Mistral, Qwen2). pad_token_id, bos_token_id: for embedding.
     position_offset: RoBERTa's positions start at padding_idx + 1.
     inner_group_num: ALBERT's layers per group (unique layer u is in group u // inner_group_num).
     """

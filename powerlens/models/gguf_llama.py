@@ -1,4 +1,8 @@
-"""Llama-architecture GGUF files (llama.cpp format), read with the ``gguf`` package.
+"""Llama-block GGUF files (llama.cpp format: ``llama``, ``qwen2``), read with the ``gguf`` package.
+
+The per-architecture facts (metadata key prefix, which Q/K rows are RoPE-permuted, which
+bias tensors exist) live in one table, :data:`ARCHITECTURES`; the tensor names in
+:data:`TENSORS`. Any other ``general.architecture`` is rejected by name.
 
     model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     tok = gguf_tokenizer(path); tok("text")["input_ids"]; tok.decode(ids)
@@ -10,6 +14,7 @@ is the NumPy array (d_out, d_in) — the ``nn.Linear`` (out, in) layout — afte
     token_embd (V, d)            blk.N.attn_norm (d,)     blk.N.ffn_norm (d,)
     blk.N.attn_q (H*e, d)        blk.N.attn_k (G*e, d)    blk.N.attn_v (G*e, d)
     blk.N.attn_output (d, H*e)   blk.N.ffn_gate, ffn_up (f, d)   blk.N.ffn_down (d, f)
+    blk.N.attn_q.bias (H*e,)     blk.N.attn_k.bias, attn_v.bias (G*e,)   (qwen2; optional in llama)
     output_norm (d,)             output (V, d)  (absent when tied to token_embd)
 
 RoPE permutation. llama.cpp's converter rewrites the rows of W_q and W_k so that its
@@ -19,8 +24,11 @@ interleaved RoPE (pairs (2i, 2i+1)) equals Hugging Face's ``rotate_half`` RoPE (
     permute(w)   = w.reshape(n, 2, e/2, d_in).swapaxes(1, 2).reshape(n*e, d_in)
     unpermute(w) = w.reshape(n, e/2, 2, d_in).swapaxes(1, 2).reshape(n*e, d_in)
 
-with n = H for W_q and n = G for W_k. ``load_gguf`` un-permutes, so the layers use the HF
-convention of :mod:`powerlens.dynamics.attention`.
+with n = H for W_q and n = G for W_k (and the same on their biases). ``load_gguf`` un-permutes,
+so the layers use the HF convention of :mod:`powerlens.dynamics.attention`. Only ``llama``
+is permuted: llama.cpp's ``Qwen2Model`` writes the HF rows as they are (and transformers'
+GGUF loader un-permutes ``llama`` alone, ``TENSOR_PROCESSORS`` in
+``modeling_gguf_pytorch_utils.py``).
 
 Memory. Every tensor is dequantised alone and copied into a preallocated stacked array
 (L, ...); each stacked array is handed to JAX and its NumPy copy dropped before the next.
@@ -29,16 +37,17 @@ file — far above the file size for a 4-bit file (see :func:`load_gguf`).
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax.numpy as jnp
 import numpy as np
 
 from .base import Model
 from .convert import Stack, check_layer_count, short_repr, to_device
-from .llama import check_rope_head_size, llama_info, llama_model, llama_shapes
+from .llama import Sizes, check_rope_head_size, llama_info, llama_model, llama_shapes
 from .gguf_tokenizer import gguf_tokenizer, remember_tokenizer  # noqa: F401  (gguf_tokenizer re-exported)
 from .reader import CheckpointError, aligned_empty, one_line
 
@@ -196,32 +205,114 @@ class GGUFFile:
                                   f"the file may be corrupt") from exc
 
 
-def gguf_sizes(f: GGUFFile):
-    """(d, L, H, G, ff, e, ctx, eps, theta) of a llama GGUF, each checked: a missing key, a
-    non-positive count, H not a multiple of G or an odd head size is an error naming the key."""
-    d = f.meta_int("llama.embedding_length")
-    L = f.meta_int("llama.block_count")
-    H = f.meta_int("llama.attention.head_count")
-    G = f.meta_int("llama.attention.head_count_kv", H)
-    ff = f.meta_int("llama.feed_forward_length")
-    e = f.meta_int("llama.attention.key_length", max(d // H, 1))
-    ctx = f.meta_int("llama.context_length", 0, minimum=0) or None
-    eps = f.meta_float("llama.attention.layer_norm_rms_epsilon")
-    theta = f.meta_float("llama.rope.freq_base", 10000.0)
+@dataclasses.dataclass(frozen=True)
+class GGUFArchitecture:
+    """What differs between the llama.cpp architectures powerlens reads.
+
+    The metadata keys are ``{general.architecture}.…`` (``llama.block_count``,
+    ``qwen2.rope.freq_base``); the tensor names are :data:`TENSORS` for all of them.
+
+    family: the powerlens family (``ModelInfo.family``, output layout).
+    permuted_qk: llama.cpp's converter permuted the rows of W_q / W_k (and of their biases)
+      for its interleaved RoPE (``LlamaModel.permute`` in ``convert_hf_to_gguf.py``);
+      undone on reading. transformers' GGUF loader un-permutes for ``llama`` only.
+    biases: stacked bias key -> required (True: every block has it; False: read when the
+      file has it, as llama.cpp's loader treats it as optional).
+    """
+
+    family: str
+    permuted_qk: bool
+    biases: Mapping[str, bool]
+
+
+# The one table of the GGUF architectures powerlens reads.
+ARCHITECTURES: Mapping[str, GGUFArchitecture] = {
+    "llama": GGUFArchitecture("llama", permuted_qk=True,
+                              biases={"b_q": False, "b_k": False, "b_v": False, "b_o": False}),
+    # Qwen2Model(TextModel) in convert_hf_to_gguf.py: no permutation; q/k/v biases always there
+    "qwen2": GGUFArchitecture("qwen2", permuted_qk=False, biases={"b_q": True, "b_k": True, "b_v": True}),
+}
+
+# stacked key -> (tensor name after ``blk.N.``, stored NumPy shape, heads its rows hold when
+# RoPE-permuted: "H" (query), "G" (key) or None)
+TENSORS = {
+    "W_q": ("attn_q.weight", lambda s: (s.H * s.e, s.d), "H"),
+    "W_k": ("attn_k.weight", lambda s: (s.G * s.e, s.d), "G"),
+    "W_v": ("attn_v.weight", lambda s: (s.G * s.e, s.d), None),
+    "W_o": ("attn_output.weight", lambda s: (s.d, s.H * s.e), None),
+    "b_q": ("attn_q.bias", lambda s: (s.H * s.e,), "H"),
+    "b_k": ("attn_k.bias", lambda s: (s.G * s.e,), "G"),
+    "b_v": ("attn_v.bias", lambda s: (s.G * s.e,), None),
+    "b_o": ("attn_output.bias", lambda s: (s.d,), None),
+    "norm_scale": ("attn_norm.weight", lambda s: (s.d,), None),
+    "ffn_norm_scale": ("ffn_norm.weight", lambda s: (s.d,), None),
+    "W_gate": ("ffn_gate.weight", lambda s: (s.f, s.d), None),
+    "W_in": ("ffn_up.weight", lambda s: (s.f, s.d), None),
+    "W_out": ("ffn_down.weight", lambda s: (s.d, s.f), None),
+}
+
+
+def architecture(f: GGUFFile) -> str:
+    """``general.architecture``, checked to be one of :data:`ARCHITECTURES` (else an error naming it)."""
+    arch = f.meta("general.architecture", required=True)
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise CheckpointError(f"{f.path}: unsupported GGUF architecture {short_repr(arch)} "
+                              f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return arch
+
+
+def gguf_sizes(f: GGUFFile, arch: str = "llama"):
+    """(Sizes, ctx, eps, theta) of a GGUF of architecture ``arch`` (keys ``{arch}.…``), each
+    checked: a missing key, a non-positive count, H not a multiple of G or an odd head size
+    is an error naming the key. V is read off ``token_embd``."""
+    k = lambda key: f"{arch}.{key}"
+    d = f.meta_int(k("embedding_length"))
+    L = f.meta_int(k("block_count"))
+    H = f.meta_int(k("attention.head_count"))
+    G = f.meta_int(k("attention.head_count_kv"), H)
+    ff = f.meta_int(k("feed_forward_length"))
+    e = f.meta_int(k("attention.key_length"), max(d // H, 1))
+    ctx = f.meta_int(k("context_length"), 0, minimum=0) or None
+    eps = f.meta_float(k("attention.layer_norm_rms_epsilon"))
+    theta = f.meta_float(k("rope.freq_base"), 10000.0)
     if H % G:
-        raise CheckpointError(f"{f.path}: llama.attention.head_count={H} is not a multiple of "
-                              f"llama.attention.head_count_kv={G}")
-    check_rope_head_size(e, f.path, "llama.attention.key_length (or embedding_length / head_count)")
-    return d, L, H, G, ff, e, ctx, eps, theta
+        raise CheckpointError(f"{f.path}: {k('attention.head_count')}={H} is not a multiple of "
+                              f"{k('attention.head_count_kv')}={G}")
+    check_rope_head_size(e, f.path, f"{k('attention.key_length')} (or embedding_length / head_count)")
+    tok_embd = f.tensors.get("token_embd.weight")
+    if tok_embd is None or len(tok_embd.shape) != 2:
+        raise CheckpointError(f"{f.path}: tensor 'token_embd.weight' (2 dimensions [d, V]) is missing from the GGUF file")
+    V = int(tok_embd.shape[-1])  # GGUF dims [d, V]
+    return Sizes(d=d, H=H, G=G, e=e, L=L, f=ff, V=V), ctx, eps, theta
+
+
+def check_plain(f: GGUFFile, arch: str, s: Sizes) -> None:
+    """Reject what the Llama block of powerlens does not compute: a value size other than the
+    key size, partial RoPE, scaled RoPE, mixture of experts (each error names the key)."""
+    path = f.path
+    if f.meta_int(f"{arch}.attention.value_length", s.e) != s.e:
+        raise CheckpointError(f"{path}: {arch}.attention.value_length differs from key_length (not supported)")
+    rope_dim = f.meta_int(f"{arch}.rope.dimension_count", s.e)
+    if rope_dim != s.e:
+        raise CheckpointError(f"{path}: {arch}.rope.dimension_count={rope_dim} differs from the head size {s.e} "
+                              f"(partial RoPE is not supported)")
+    scaling = f.meta(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: {arch}.rope.scaling.type={short_repr(scaling)} is not supported "
+                              f"(plain RoPE only)")
+    if f.meta_int(f"{arch}.expert_count", 0, minimum=0) > 0:
+        raise CheckpointError(f"{path}: mixture-of-experts GGUF files ({arch}.expert_count > 0) are not supported")
 
 
 def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Model:
-    """Load a llama-architecture GGUF file as a :class:`~powerlens.models.base.Model`.
+    """Load a GGUF file of an architecture in :data:`ARCHITECTURES` (``llama``, ``qwen2``)
+    as a :class:`~powerlens.models.base.Model`.
 
     Quantised weights (Q4_0/Q4_1/Q8_0/K-quants, F16, F32) are dequantised by the
     ``gguf`` package. Rejected with a CheckpointError naming the file: another
-    ``general.architecture``, mixture-of-experts, scaled RoPE, partial RoPE; a truncated
-    or corrupt file, a missing tensor, a wrong shape or a NaN name the file and tensor.
+    ``general.architecture`` (by name, with the supported ones), mixture-of-experts,
+    scaled RoPE, partial RoPE; a truncated or corrupt file, a missing tensor, a wrong
+    shape or a NaN name the file and tensor.
 
     Memory (SmolLM2-135M Q4_1, 98 MB file, 538 MB of float32 parameters): peak RSS
     growth while loading ~750 MB = 1.4x the float32 parameters = 7.6x the file. A 4-bit
@@ -232,48 +323,31 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
     if dtype not in (np.float32, np.float64):
         raise CheckpointError(f"{path}: unsupported dtype {dtype} (float32 or float64)")
     f = GGUFFile(path)
-    arch = f.meta("general.architecture", required=True)
-    if arch != "llama":
-        raise CheckpointError(f"{path}: unsupported GGUF architecture {short_repr(arch)} (only 'llama' is supported)")
-    d, L, H, G, ff, e, ctx, eps, theta = gguf_sizes(f)
-    check_layer_count(L, "llama.block_count", f.tensors, "blk.", path)
-    if f.meta_int("llama.attention.value_length", e) != e:
-        raise CheckpointError(f"{path}: attention.value_length differs from key_length (not supported)")
-    rope_dim = f.meta_int("llama.rope.dimension_count", e)
-    if rope_dim != e:
-        raise CheckpointError(f"{path}: rope.dimension_count={rope_dim} differs from the head size {e} "
-                              f"(partial RoPE is not supported)")
-    scaling = f.meta("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(f"{path}: rope.scaling.type={short_repr(scaling)} is not supported (plain RoPE only)")
-    if f.meta_int("llama.expert_count", 0, minimum=0) > 0:
-        raise CheckpointError(f"{path}: mixture-of-experts GGUF files (llama.expert_count > 0) are not supported")
-    tok_embd = f.tensors.get("token_embd.weight")
-    if tok_embd is None or len(tok_embd.shape) != 2:
-        raise CheckpointError(f"{path}: tensor 'token_embd.weight' (2 dimensions [d, V]) is missing from the GGUF file")
-    V = int(tok_embd.shape[-1])  # GGUF dims [d, V]
+    arch = architecture(f)
+    spec = ARCHITECTURES[arch]
+    s, ctx, eps, theta = gguf_sizes(f, arch)
+    check_layer_count(s.L, f"{arch}.block_count", f.tensors, "blk.", path)
+    check_plain(f, arch, s)
 
     # the embedding first: its two transient copies (NumPy + JAX) then coexist with nothing else
-    word = to_device(f.get("token_embd.weight", (V, d), dtype=dtype))
-    head = to_device(f.get("output.weight", (V, d), dtype=dtype)) if f.has("output.weight") else None
+    word = to_device(f.get("token_embd.weight", (s.V, s.d), dtype=dtype))
+    head = to_device(f.get("output.weight", (s.V, s.d), dtype=dtype)) if f.has("output.weight") else None
     f.release_pages()
+    biases = [k for k, required in spec.biases.items() if required or f.has(f"blk.0.{TENSORS[k][0]}")]
     # one stacked array at a time, so at most one NumPy stack is alive (see Stack.done)
-    st = Stack(L, dtype, llama_shapes(d, H, G, e, ff), path)
-    plan = {  # stacked key: (GGUF tensor suffix, numpy shape, heads to un-permute or 0)
-        "W_q": ("attn_q.weight", (H * e, d), H), "W_k": ("attn_k.weight", (G * e, d), G),
-        "W_v": ("attn_v.weight", (G * e, d), 0), "W_o": ("attn_output.weight", (d, H * e), 0),
-        "norm_scale": ("attn_norm.weight", (d,), 0), "ffn_norm_scale": ("ffn_norm.weight", (d,), 0),
-        "W_gate": ("ffn_gate.weight", (ff, d), 0), "W_in": ("ffn_up.weight", (ff, d), 0),
-        "W_out": ("ffn_down.weight", (d, ff), 0),
-    }
-    for key, (suffix, shape, heads) in plan.items():
-        for i in range(L):                           # every shape checked before the stack is allocated
+    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases), path)
+    for key in st.shapes:
+        suffix, stored, heads = TENSORS[key]
+        shape = stored(s)
+        heads = getattr(s, heads) if heads and spec.permuted_qk else 0
+        for i in range(s.L):                         # every shape checked before the stack is allocated
             f.check(f"blk.{i}.{suffix}", shape)
         arr = st[key]
-        for i in range(L):
+        for i in range(s.L):
             slot = arr[i].reshape(shape)             # a view of layer i's slot
             if heads:                                # small (q/k): dequantise, then un-permute rows
-                slot[...] = unpermute(f.get(f"blk.{i}.{suffix}", shape), heads)
+                w = f.get(f"blk.{i}.{suffix}", shape)
+                slot[...] = unpermute(w.reshape(shape[0], -1), heads).reshape(shape)
             else:                                    # straight into the slot, in row chunks
                 f.get(f"blk.{i}.{suffix}", shape, slot)
         st.done(key)
@@ -281,7 +355,7 @@ def load_gguf(path: str, *, dtype=np.float32, name: Optional[str] = None) -> Mod
     has_tokenizer = remember_tokenizer(f)          # read now: the tokenizer never parses the file again
     info = llama_info(source=path, tokenizer=path if has_tokenizer else None, max_positions=ctx,
                       pad=f.meta("tokenizer.ggml.padding_token_id"), bos=f.meta("tokenizer.ggml.bos_token_id"),
-                      name=name or os.path.basename(path))
-    return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act="silu_glu", embeddings={"word": word},
-                       final_norm=jnp.asarray(f.get("output_norm.weight", (d,)).astype(dtype)), head=head,
-                       info=info)
+                      name=name or os.path.basename(path), family=spec.family)
+    return llama_model(st, d=s.d, H=s.H, G=s.G, e=s.e, eps=eps, theta=theta, act="silu_glu",
+                       embeddings={"word": word}, final_norm=jnp.asarray(f.get("output_norm.weight", (s.d,)).astype(dtype)),
+                       head=head, info=info)

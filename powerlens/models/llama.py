@@ -1,4 +1,5 @@
-"""Llama converter, Hugging Face format (``model_type`` ``llama``); shared with the GGUF reader.
+"""Llama converter, Hugging Face format (``model_type`` ``llama``); its block is shared with the
+GGUF reader and, through :func:`convert_hf_llama`, with the Mistral and Qwen2 converters.
 
 Block (pre-norm, RMSNorm with ``rms_norm_eps``)::
 
@@ -20,6 +21,10 @@ than ``default``) are rejected with an error naming them.
 """
 from __future__ import annotations
 
+from typing import Collection, NamedTuple
+
+import numpy as np
+
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
@@ -40,30 +45,38 @@ LLAMA_NEUTRAL = frozenset({"attention_dropout", "pretraining_tp", "is_llama_conf
 LLAMA_ONLY = {"rope_interleaved": (False,)}
 
 
-def llama_shapes(d: int, H: int, G: int, e: int, f: int, *, attention_bias=False, mlp_bias=False):
-    """Per-layer shapes of the stacked arrays of a Llama block."""
+ATTENTION_BIASES = ("b_q", "b_k", "b_v", "b_o")
+MLP_BIASES = ("b_in", "b_out")
+
+
+def llama_shapes(d: int, H: int, G: int, e: int, f: int, *, biases: Collection[str] = ()):
+    """Per-layer shapes of the stacked arrays of a Llama block; ``biases``: which of
+    :data:`ATTENTION_BIASES` and :data:`MLP_BIASES` the checkpoint has."""
     shapes = {"W_q": (H, e, d), "W_k": (G, e, d), "W_v": (G, e, d), "W_o": (d, H * e),
               "norm_scale": (d,), "ffn_norm_scale": (d,), "W_gate": (f, d), "W_in": (f, d), "W_out": (d, f)}
-    if attention_bias:
-        shapes.update(b_q=(H, e), b_k=(G, e), b_v=(G, e), b_o=(d,))
-    if mlp_bias:
-        shapes.update(b_in=(f,), b_out=(d,))
+    every = {"b_q": (H, e), "b_k": (G, e), "b_v": (G, e), "b_o": (d,), "b_in": (f,), "b_out": (d,)}
+    unknown = set(biases) - set(every)
+    if unknown:
+        raise ValueError(f"unknown bias keys {sorted(unknown)}")
+    shapes.update({k: every[k] for k in every if k in biases})
     return shapes
 
 
 def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_norm, head,
-                info: ModelInfo, family: str = "llama") -> Model:
+                info: ModelInfo, window=0) -> Model:
     """Assemble a :class:`Model` from filled Llama stacked arrays (HF or GGUF source).
 
+    ``window``: the local attention window of every layer, an int or one per layer (0 =
+    global; Mistral / Qwen2 sliding windows). The family name is ``info.family``.
     ``mlp_bias`` biases are stored as ``b_in`` (up_proj) and ``b_out`` (down_proj); the
     FFN of powerlens has no gate bias, so a non-zero ``gate_proj.bias`` is rejected.
     """
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=eps,
                       norm_placement="pre", rope_theta=float(theta), rope_dim=None, ffn_activation=act,
-                      family=family)
+                      family=info.family)
     arrays = stack.finish()
     layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
-                         scale=e ** -0.5, window=0, config=cfg, **arrays)
+                         scale=e ** -0.5, window=np.asarray(window, np.int32), config=cfg, **arrays)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_norm, final_norm_bias=None,
                  lm_head=head, info=info)
 
@@ -88,15 +101,25 @@ def check_rope_head_size(e: int, source: str, key: str) -> None:
         raise CheckpointError(f"{source}: {key} gives an odd head size {e}; RoPE needs an even one")
 
 
-def llama_info(*, source, tokenizer, max_positions, pad, bos, name) -> ModelInfo:
-    return ModelInfo(family="llama", source=source, tokenizer=tokenizer, max_positions=max_positions, decoder=True,
+def llama_info(*, source, tokenizer, max_positions, pad, bos, name, family: str = "llama") -> ModelInfo:
+    return ModelInfo(family=family, source=source, tokenizer=tokenizer, max_positions=max_positions, decoder=True,
                      final_norm_in_hidden_states=True, pad_token_id=pad, bos_token_id=bos, name=name)
 
 
-@register("llama", output_layout=LINEAR)
-def convert_llama(config: dict, reader, dtype, name: str) -> Model:
-    src = config_file(reader)
-    check_config(config, src, "llama", handled=LLAMA_HANDLED, neutral=LLAMA_NEUTRAL, only=LLAMA_ONLY)
+class Sizes(NamedTuple):
+    """The sizes of a Llama-style ``config.json``, each validated (:func:`hf_sizes`)."""
+    d: int
+    H: int
+    G: int
+    e: int
+    L: int
+    f: int
+    V: int
+
+
+def hf_sizes(config: dict, src: str) -> Sizes:
+    """d, H, G, e (``head_dim``, default d / H), L, f, V of a Llama / Mistral / Qwen2 config:
+    each a positive integer, H a multiple of G, e even (errors name the file and the key)."""
     d, H, L, f, V = require_all(config, src, d="hidden_size", H="num_attention_heads", L="num_hidden_layers",
                                 f="intermediate_size", V="vocab_size")
     G = require(config, "num_key_value_heads", src, default=H)
@@ -104,42 +127,74 @@ def convert_llama(config: dict, reader, dtype, name: str) -> Model:
     if H % G:
         raise CheckpointError(f"{src}: num_attention_heads={H} is not a multiple of num_key_value_heads={G}")
     check_rope_head_size(e, src, "head_dim (or hidden_size / num_attention_heads)")
+    return Sizes(d=d, H=H, G=G, e=e, L=L, f=f, V=V)
+
+
+# stacked key -> (tensor name after ``layers.N.``, stored shape from the sizes)
+HF_TENSORS = {
+    "W_q": ("self_attn.q_proj.weight", lambda s: (s.H * s.e, s.d)),
+    "W_k": ("self_attn.k_proj.weight", lambda s: (s.G * s.e, s.d)),
+    "W_v": ("self_attn.v_proj.weight", lambda s: (s.G * s.e, s.d)),
+    "W_o": ("self_attn.o_proj.weight", lambda s: (s.d, s.H * s.e)),
+    "b_q": ("self_attn.q_proj.bias", lambda s: (s.H * s.e,)),
+    "b_k": ("self_attn.k_proj.bias", lambda s: (s.G * s.e,)),
+    "b_v": ("self_attn.v_proj.bias", lambda s: (s.G * s.e,)),
+    "b_o": ("self_attn.o_proj.bias", lambda s: (s.d,)),
+    "norm_scale": ("input_layernorm.weight", lambda s: (s.d,)),
+    "ffn_norm_scale": ("post_attention_layernorm.weight", lambda s: (s.d,)),
+    "W_gate": ("mlp.gate_proj.weight", lambda s: (s.f, s.d)),
+    "W_in": ("mlp.up_proj.weight", lambda s: (s.f, s.d)),
+    "W_out": ("mlp.down_proj.weight", lambda s: (s.d, s.f)),
+    "b_in": ("mlp.up_proj.bias", lambda s: (s.f,)),
+    "b_out": ("mlp.down_proj.bias", lambda s: (s.d,)),
+}
+
+
+def convert_hf_llama(config: dict, reader, dtype, name: str, *, family: str, biases: Collection[str] = (),
+                     window=0, default_tied: bool = False) -> Model:
+    """A Hugging Face Llama-style folder (Llama, Mistral, Qwen2) as a :class:`Model`.
+
+    The caller has checked ``config.json`` against its family's allow-list; ``biases``:
+    the stacked bias keys the family's checkpoints carry (:data:`ATTENTION_BIASES`,
+    :data:`MLP_BIASES`); ``window``: per-layer local windows (0 = global).
+    """
+    src = config_file(reader)
+    s = hf_sizes(config, src)
     act = activation(config, "hidden_act", src, "silu", GLU_ACTIVATIONS)
     theta = rope_theta(config, src)
     eps = require(config, "rms_norm_eps", src, kind=float, default=1e-6)
-    ab, mb = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
-
-    check_layer_count(L, "num_hidden_layers", reader.names(), "layers.", src)
-    st = Stack(L, dtype, llama_shapes(d, H, G, e, f, attention_bias=ab, mlp_bias=mb), reader.folder)
-    for i in range(L):
-        p, a, m = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        st["W_q"][i] = reader.get(a + "q_proj.weight", (H * e, d)).reshape(H, e, d)
-        st["W_k"][i] = reader.get(a + "k_proj.weight", (G * e, d)).reshape(G, e, d)
-        st["W_v"][i] = reader.get(a + "v_proj.weight", (G * e, d)).reshape(G, e, d)
-        st["W_o"][i] = reader.get(a + "o_proj.weight", (d, H * e))
-        if ab:
-            st["b_q"][i] = reader.get(a + "q_proj.bias", (H * e,)).reshape(H, e)
-            st["b_k"][i] = reader.get(a + "k_proj.bias", (G * e,)).reshape(G, e)
-            st["b_v"][i] = reader.get(a + "v_proj.bias", (G * e,)).reshape(G, e)
-            st["b_o"][i] = reader.get(a + "o_proj.bias", (d,))
-        st["norm_scale"][i] = reader.get(p + "input_layernorm.weight", (d,))
-        st["ffn_norm_scale"][i] = reader.get(p + "post_attention_layernorm.weight", (d,))
-        st["W_gate"][i] = reader.get(m + "gate_proj.weight", (f, d))
-        st["W_in"][i] = reader.get(m + "up_proj.weight", (f, d))
-        st["W_out"][i] = reader.get(m + "down_proj.weight", (d, f))
-        if mb:
-            if reader.has(m + "gate_proj.bias"):
-                g = reader.get(m + "gate_proj.bias", (f,))
-                if g.any():
-                    raise CheckpointError(f"{reader.folder}: tensor {m + 'gate_proj.bias'!r} is non-zero; a gate bias "
-                                          f"is not supported by the SwiGLU FFN of powerlens")
-            st["b_in"][i] = reader.get(m + "up_proj.bias", (f,))
-            st["b_out"][i] = reader.get(m + "down_proj.bias", (d,))
+    check_layer_count(s.L, "num_hidden_layers", reader.names(), "layers.", src)
+    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases), reader.folder)
+    for key in st.shapes:
+        tensor, stored = HF_TENSORS[key]
+        for i in range(s.L):
+            st.read(key, i, reader, f"layers.{i}.{tensor}", stored(s))
+    if "b_in" in biases:
+        reject_gate_bias(reader, s)
     folder = reader.folder
     info = llama_info(source=folder, tokenizer=tokenizer_folder(folder),
                       max_positions=require(config, "max_position_embeddings", src, default=None),
-                      pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name)
-    tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"}, {"word": (V, d), "norm": (d,)})
-    return llama_model(st, d=d, H=H, G=G, e=e, eps=eps, theta=theta, act=act, embeddings={"word": tensors["word"]},
-                       final_norm=tensors["norm"], head=lm_head(config, reader, (V, d), default_tied=False),
-                       info=info)
+                      pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name, family=family)
+    tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"},
+                           {"word": (s.V, s.d), "norm": (s.d,)})
+    return llama_model(st, d=s.d, H=s.H, G=s.G, e=s.e, eps=eps, theta=theta, act=act,
+                       embeddings={"word": tensors["word"]}, final_norm=tensors["norm"],
+                       head=lm_head(config, reader, (s.V, s.d), default_tied=default_tied), info=info, window=window)
+
+
+def reject_gate_bias(reader, s: Sizes) -> None:
+    """The SwiGLU FFN of powerlens has no gate bias: a non-zero ``gate_proj.bias`` is an error."""
+    for i in range(s.L):
+        name = f"layers.{i}.mlp.gate_proj.bias"
+        if reader.has(name) and reader.get(name, (s.f,)).any():
+            raise CheckpointError(f"{reader.folder}: tensor {name!r} is non-zero; a gate bias "
+                                  f"is not supported by the SwiGLU FFN of powerlens")
+
+
+@register("llama", output_layout=LINEAR)
+def convert_llama(config: dict, reader, dtype, name: str) -> Model:
+    check_config(config, config_file(reader), "llama", handled=LLAMA_HANDLED, neutral=LLAMA_NEUTRAL,
+                 only=LLAMA_ONLY)
+    biases = (ATTENTION_BIASES if config.get("attention_bias") else ()) + (
+        MLP_BIASES if config.get("mlp_bias") else ())
+    return convert_hf_llama(config, reader, dtype, name, family="llama", biases=biases)

