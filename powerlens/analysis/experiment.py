@@ -2,8 +2,12 @@
 (with a progress bar) -> pooled per-state measures (:class:`StepMeasures`), ready for
 plots, and for JSON/CSV through :meth:`StepMeasures.rows`.
 
-The simulation is run in chunks of the schedule so that long runs show progress and
-memory stays bounded; each chunk is the same jitted ``simulate_batch`` call.
+The simulation is run in chunks of the schedule (:func:`chunk_steps`: 100 steps, up to
+10⁴ for long runs) so that long runs show progress, can be interrupted between chunks and
+keep on the device only one chunk's outputs; each chunk is the same jitted
+``simulate_batch`` call. After every chunk the states and the measures are checked: the
+first non-finite one stops the run with a :class:`NonFiniteStateError` naming its step,
+so that no number measured on inf or NaN is ever reported.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import numpy as np
 
 from ..dynamics.inputs import check_tokens
 from ..dynamics.params import Layers, layer_matrices
+from ..dynamics.schedule import Schedule
 from ..dynamics.simulate import pooled, simulate_batch
 from ..dynamics.subspaces import Subspaces
 from .measures import binomial_pvalue, chance_gamma, chance_gamma_std
@@ -66,15 +71,14 @@ class StepMeasures:
                "chance_band")
 
     def rows(self) -> List[dict]:
-        """One JSON/CSV row per state t = 0..T (NaN and the missing layer at t = 0 -> None)."""
-        cols = [(k, getattr(self, k)) for k in self.COLUMNS]
-        out = []
-        for t in range(len(self.t)):
-            row = {k: _num(a[t]) for k, a in cols}
-            if row["layer"] is not None and row["layer"] < 0:
-                row["layer"] = None
-            out.append(row)
-        return out
+        """One JSON/CSV row per state t = 0..T (NaN and the missing layer at t = 0 -> None),
+        built column by column (10⁶ rows in about a second)."""
+        cols = [_column_values(getattr(self, k)) for k in self.COLUMNS]
+        layer = cols[self.COLUMNS.index("layer")]
+        for t, v in enumerate(layer):
+            if v is not None and v < 0:
+                layer[t] = None
+        return [dict(zip(self.COLUMNS, values)) for values in zip(*cols)]
 
     @classmethod
     def from_rows(cls, rows: List[dict], n_tokens: int = 0) -> "StepMeasures":
@@ -84,11 +88,22 @@ class StepMeasures:
         return cls(**ints, **{k: get(k, np.nan, float) for k in cls.COLUMNS if k not in ints}, n_tokens=n_tokens)
 
 
-def _num(v):
-    if isinstance(v, (int, np.integer)):
-        return int(v)
-    f = float(v)
-    return f if np.isfinite(f) else None
+def _column_values(a) -> list:
+    """A column as Python numbers: ints stay ints, floats become floats, NaN/inf -> None."""
+    a = np.asarray(a)
+    if np.issubdtype(a.dtype, np.integer):
+        return a.tolist()
+    a = a.astype(np.float64)
+    values = a.tolist()
+    for i in np.flatnonzero(~np.isfinite(a)):
+        values[i] = None
+    return values
+
+
+def _per_dim(f, d: int, k: np.ndarray) -> np.ndarray:
+    """f(d, j) for every entry j of "int[N]" k, computed once per distinct j."""
+    values, inverse = np.unique(k, return_inverse=True)
+    return np.array([f(d, int(j)) for j in values], float)[inverse.reshape(-1)]
 
 
 def step_measures(metrics: dict, schedule, subspaces: Subspaces, d: int) -> StepMeasures:
@@ -100,17 +115,17 @@ def step_measures(metrics: dict, schedule, subspaces: Subspaces, d: int) -> Step
     step = lambda a: state(np.nan, a)
     k = np.asarray(subspaces.dim)[np.asarray(schedule)][:, P]            # dim S of each step
     k = state(k[0], k)                                                   # t = 0: the first step's layer
-    sd = np.array([chance_gamma_std(d, int(j)) for j in k])
-    pvalue = [binomial_pvalue(int(c), n_tok) if np.isfinite(r) else np.nan
-              for c, r in zip(m["rho_count"][:, P], m["rho"][:, P])]
+    sd = _per_dim(chance_gamma_std, d, k)
+    rho = m["rho"][:, P]
+    pvalue = np.where(np.isfinite(rho), binomial_pvalue(m["rho_count"][:, P], n_tok), np.nan)
     return StepMeasures(
         t=np.arange(len(schedule) + 1), layer=state(-1, np.asarray(schedule, np.int64)),
         gamma=state(m["gamma_before"][0, P], m["gamma"][:, P]), rho=step(m["rho"][:, P]),
         rotation=step(m["rotation"]),
         gamma_random=state(m["gamma_before"][0, R], m["gamma"][:, R]), rho_random=step(m["rho"][:, R]),
         gamma_other_layer=state(m["gamma_before"][0, O], m["gamma"][:, O]), rho_other_layer=step(m["rho"][:, O]),
-        rho_pvalue=step(np.array(pvalue, float)), consensus=m["consensus"], rank_collapse=m["rank_collapse"],
-        pairwise_cos=m["pairwise_cos"], chance_gamma=np.array([chance_gamma(d, int(j)) for j in k]),
+        rho_pvalue=step(np.asarray(pvalue, float)), consensus=m["consensus"], rank_collapse=m["rank_collapse"],
+        pairwise_cos=m["pairwise_cos"], chance_gamma=_per_dim(chance_gamma, d, k),
         chance_band=2 * sd / np.sqrt(max(n_tok, 1)), n_tokens=n_tok)
 
 
@@ -121,7 +136,7 @@ class RunResult:
 
     spectra: List[LayerSpectrum]
     subspaces: Subspaces
-    schedule: tuple
+    schedule: Schedule
     order: str
     measures: StepMeasures
     states: Optional[np.ndarray]
@@ -159,15 +174,65 @@ def rows_csv(rows: List[dict]) -> str:
     return buf.getvalue()
 
 
+class NonFiniteStateError(ValueError, FloatingPointError):
+    """A state, or a measure of a finite state, became non-finite (inf or NaN) at ``step``
+    (1-based: the step whose output is bad) of ``steps``; nothing of the run is reported.
+    :meth:`with_hint` adds what the caller can do about it (a command knows its flags)."""
+
+    def __init__(self, step: int, steps: int, rule: str, dtype, *, state: bool = True, hint: str = ""):
+        self.step, self.steps, self.rule, self.dtype, self.state, self.hint = step, steps, rule, dtype, state, hint
+        where = f"at step {step} of {steps} (rule {rule}, {np.dtype(dtype).name})"
+        what = (f"the state became non-finite {where}: a token overflowed to inf or NaN, or collapsed to 0"
+                if state else f"a measure became non-finite {where} although the state is finite")
+        super().__init__(what + (f"; {hint}" if hint else ""))
+
+    def with_hint(self, hint: str) -> "NonFiniteStateError":
+        return NonFiniteStateError(self.step, self.steps, self.rule, self.dtype, state=self.state, hint=hint)
+
+
+def first_non_finite(part: dict, defined: np.ndarray):
+    """(index, is the state itself bad) of the first bad state of one chunk's pooled metrics
+    (index 0 is the state the chunk started from), or None.
+
+    A state is bad when a valid token is non-finite or zero, or when a measure of it that is defined
+    (``defined`` "bool[c m]": the references of each step's layer with dim > 0) is not finite.
+    """
+    state_ok = np.asarray(part["finite"], bool)                                        # (c+1,)
+    measure_ok = np.isfinite(part["consensus"]) & np.isfinite(part["rank_collapse"]) & np.isfinite(part["pairwise_cos"])
+    gamma_ok = lambda key: np.all(np.isfinite(part[key]) | ~defined, axis=1)         # (c,)
+    after = gamma_ok("gamma") & gamma_ok("rho")
+    ok = state_ok & measure_ok & np.concatenate([[True], after]) & np.append(gamma_ok("gamma_before"), True)
+    bad = np.flatnonzero(~ok)
+    return None if bad.size == 0 else (int(bad[0]), bool(not state_ok[bad[0]]))
+
+
+def chunk_steps(T: int) -> int:
+    """Steps per chunk of a run of T steps: 100, growing with T to 10⁴ (about 100 chunks),
+    so that the progress bar moves, an interrupt is taken between chunks and per-chunk
+    overheads stay small against the steps."""
+    return int(min(T, min(max(100, -(-T // 100)), 10_000)))
+
+
+def _join(parts: List[dict]) -> dict:
+    """The pooled metrics of consecutive chunks as one run (a state measure's first entry of
+    every chunk after the first repeats the previous chunk's last state)."""
+    per_state = ("consensus", "rank_collapse", "pairwise_cos", "finite")
+    return {k: parts[0][k] if k == "n_tokens" else
+            np.concatenate([parts[0][k]] + [p[k][1:] for p in parts[1:]]) if k in per_state else
+            np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
 def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention: str = "softmax",
                order: str = "shifted", keep_bias: Optional[bool] = None, seed: int = 0,
-               save_states: bool = False, keep_states_limit: int = 4_000_000, chunk: int = 100,
+               save_states: bool = False, keep_states_limit: int = 4_000_000, chunk: Optional[int] = None,
                progress: bool = True, desc: str = "simulate", spectra: Optional[List[LayerSpectrum]] = None,
                positions=None) -> RunResult:
     """Spectra, reference subspaces and the measured simulation of ``layers`` from X0.
 
     States are kept when ``save_states`` or when they are small (<= keep_states_limit
-    numbers), for plotting trajectories.
+    numbers), for plotting trajectories. ``chunk``: steps per jitted call (default
+    :func:`chunk_steps`). Raises :class:`NonFiniteStateError` at the first non-finite state
+    or measure.
     """
     from tqdm.auto import tqdm
 
@@ -180,30 +245,27 @@ def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention
     subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.W_v.dtype)
     schedule = layers.schedule
     T = len(schedule)
+    chunk = chunk_steps(T) if chunk is None else int(chunk)
+    dims = np.asarray(subs.dim) > 0                                                   # (U, m)
     keep = save_states or (T + 1) * X0.size <= keep_states_limit
     parts, states = [], [np.asarray(X0)[None]] if keep else None
     X = X0
     with tqdm(total=T, desc=desc, disable=not progress, leave=False) as bar:
         for start in range(0, T, chunk):
-            sched = np.asarray(schedule[start:start + chunk], np.int32)
+            sched = schedule.array(start, start + chunk)
             traj = simulate_batch(layers, X, subs, valid=valid, rule=rule, attention=attention,
                                   keep_bias=keep_bias, save_states=keep, schedule=sched, positions=positions)
-            parts.append(pooled(traj))
+            part = pooled(traj)
+            bad = first_non_finite(part, dims[sched])
+            if bad is not None:
+                raise NonFiniteStateError(start + bad[0], T, rule, layers.W_v.dtype, state=bad[1])
+            parts.append(part)
             if keep:
                 states.append(np.swapaxes(np.asarray(traj.states), 0, 1)[1:])
             X = np.asarray(traj.final)
-            if not np.all(np.isfinite(X)):
-                raise FloatingPointError(
-                    f"the state became non-finite at a step in [{start}, {start + len(sched)}); "
-                    f"try float64 (--x64) or another rule")
             bar.update(len(sched))
-    metrics = {
-        k: np.concatenate([parts[0][k]] + [p[k][1:] for p in parts[1:]])
-        if k in ("consensus", "rank_collapse", "pairwise_cos") else
-        (parts[0][k] if k == "n_tokens" else np.concatenate([p[k] for p in parts]))
-        for k in parts[0]
-    }
+    metrics = _join(parts)
     d = layers.config.d_model
-    return RunResult(spectra=spectra, subspaces=subs, schedule=tuple(schedule), order=order,
+    return RunResult(spectra=spectra, subspaces=subs, schedule=schedule, order=order,
                      measures=step_measures(metrics, schedule, subs, d),
                      states=np.concatenate(states) if keep else None, d=d)

@@ -5,7 +5,7 @@ rank collapse, pairwise cosine) run inside the scan: :mod:`powerlens.dynamics.me
 
     chance_gamma(d, k)     E ||P x|| for a random unit x in R^d and a rank-k projector P
     chance_gamma_std(d, k) its standard deviation (for the chance band)
-    binomial_pvalue        one-sided P(Bin(N, p) >= k): evidence that rho exceeds 1/2
+    binomial_pvalue        one-sided P(Bin(N, p) >= k): evidence that rho exceeds 1/2 (vectorised)
     random_subspace        a uniformly random k-dim subspace (the control reference)
 """
 from __future__ import annotations
@@ -35,11 +35,12 @@ def chance_gamma_std(d: int, k: int = 1) -> float:
     return float(math.sqrt(max(k / d - m * m, 0.0)))
 
 
-def binomial_pvalue(successes: int, trials: int, p: float = 0.5) -> float:
-    """One-sided P(Bin(trials, p) >= successes): evidence that rho exceeds p."""
-    if trials <= 0:
-        return float("nan")
-    return float(stats.binom.sf(int(successes) - 1, int(trials), p))
+def binomial_pvalue(successes, trials: int, p: float = 0.5):
+    """One-sided P(Bin(trials, p) >= successes): evidence that rho exceeds p. ``successes``
+    an int (a float is returned) or "int[...]" (then "float[...]", one p-value each)."""
+    k = np.asarray(successes, np.int64)
+    out = stats.binom.sf(k - 1, int(trials), p) if trials > 0 else np.full(k.shape, np.nan)
+    return float(out) if np.ndim(out) == 0 else np.asarray(out, float)
 
 
 def random_subspace(rng: np.random.Generator, d: int, k: int) -> np.ndarray:

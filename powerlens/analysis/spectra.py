@@ -9,7 +9,8 @@ The *principal group* of an ordering is every eigenvalue whose key is within
 ``group_rtol`` (relative) of the largest key: a complex pair, a repeated or a
 near-repeated top eigenvalue is always a group, never one arbitrary eigenvector.
 Its invariant subspace is the real span of the group's eigenvectors (one ``eig``
-per layer serves both orderings), or, when those are numerically dependent (a
+per layer serves both orderings; ``eigh`` for a numerically symmetric F, whose spectrum
+is real), or, when those are numerically dependent (a
 defective eigenvalue), an ordered real Schur form: always an orthonormal real basis; for a complex pair the
 basis (e1, e2) is oriented so that I + F rotates coordinates counter-clockwise, by
 arg(1 + lambda1) with Im lambda1 > 0.
@@ -160,23 +161,44 @@ def _ordered(F: np.ndarray, w: np.ndarray, V: np.ndarray, order: str, group_rtol
                            mu1=mu1, mu2=mu2, is_complex=is_complex, plane=plane)
 
 
+SYMMETRY_RTOL = 1e-5
+"""F is treated as symmetric when max |F - F^T| <= SYMMETRY_RTOL * max |F|: float32 rounding of
+a symmetric F = O V leaves an asymmetry near 1e-7 of its scale, a genuine rotation far more."""
+
+
+def _eig(f: np.ndarray):
+    """Eigenvalues "complex[d]" and eigenvectors "[d d]" of F. A numerically symmetric F (see
+    :data:`SYMMETRY_RTOL`) goes through ``eigh`` of its symmetric part: its spectrum is real,
+    so the many zero eigenvalues of a padded symmetric system never come out as tiny complex
+    pairs, as they do from ``eig``."""
+    with np.errstate(all="ignore"):           # an F near the largest float overflows here: reported below
+        if np.max(np.abs(0.5 * f - 0.5 * f.T)) <= 0.5 * SYMMETRY_RTOL * np.max(np.abs(f)):
+            w, V = np.linalg.eigh(0.5 * f + 0.5 * f.T)
+            return w.astype(complex), V
+        return np.linalg.eig(f)
+
+
 def _layer(i: int, f: np.ndarray, group_rtol: float) -> LayerSpectrum:
-    w, V = np.linalg.eig(f)
-    if not np.all(np.isfinite(w)):
-        raise ValueError(f"F of layer {i} has non-finite eigenvalues (non-finite weights?)")
+    w, V = _eig(f)
+    if not np.all(np.isfinite(w)) or not np.all(np.isfinite(V)):
+        raise ValueError(f"F of layer {i} has non-finite eigenvalues or eigenvectors (max |F| = "
+                         f"{np.max(np.abs(f)):.3g}: are the weights too large?)")
     return LayerSpectrum(layer=i, shifted=_ordered(f, w, V, "shifted", group_rtol),
                          plain=_ordered(f, w, V, "plain", group_rtol))
 
 
 def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
     """Spectra of a stack F (U, d, d) in both orderings, one :class:`LayerSpectrum` each."""
+    precision = np.dtype(getattr(F, "dtype", np.float64)).name
     F = np.asarray(F, dtype=np.float64)
     if F.ndim == 2:
         F = F[None]
     if F.ndim != 3 or F.shape[1] != F.shape[2]:
         raise ValueError(f"F must have shape (L, d, d), got {F.shape}")
     if not np.all(np.isfinite(F)):
-        raise ValueError("F contains non-finite values")
+        bad = sorted({int(i) for i in np.argwhere(~np.isfinite(F))[:, 0]})
+        raise ValueError(f"F contains non-finite values at layer(s) {bad[:8]}: F = W_o V_cat overflowed "
+                         f"(are the weights too large for {precision}?)")
     return [_layer(i, f, group_rtol) for i, f in enumerate(F)]
 
 

@@ -8,17 +8,36 @@ from .. import io
 from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
 from ..analysis.spectra import ORDERS, spectra_json
+from ..dynamics.params import check_steps
+from . import budget
 from .simulate import settings_of
+
+
+def read_prompts_file(path: str) -> List[str]:
+    """The non-blank lines of a UTF-8 prompts file, stripped; errors name the file and the line."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompts file {path!r} does not exist")
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    texts = []
+    for i, line in enumerate(raw.splitlines(), 1):
+        try:
+            text = line.decode("utf-8-sig" if i == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--prompts file {path!r}: line {i} is not valid UTF-8 (byte {exc.start + 1} of the "
+                             f"line is {line[exc.start:exc.start + 1]!r}); save the file as UTF-8") from None
+        if text.strip():
+            texts.append(text.strip())
+    if not texts:
+        raise ValueError(f"--prompts file {path!r} is empty (no line with text); write one prompt per line")
+    return texts
 
 
 def read_prompts(args) -> List[str]:
     """Prompts from repeated ``--text`` and/or a ``--prompts`` file (one per line, blanks skipped)."""
     texts = list(args.text or [])
     if getattr(args, "prompts", None):
-        if not os.path.isfile(args.prompts):
-            raise ValueError(f"--prompts file {args.prompts!r} does not exist")
-        with open(args.prompts, encoding="utf-8") as fh:
-            texts += [line.strip() for line in fh if line.strip()]
+        texts += read_prompts_file(args.prompts)
     if not texts:
         raise ValueError("no prompts: give --text \"...\" (repeatable) or --prompts FILE")
     for i, t in enumerate(texts):
@@ -40,12 +59,13 @@ def layers_json(model, spectra) -> list:
 def cmd_spectrum_model(args) -> int:
     from ..models import load
     model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    budget.check(budget.spectra_estimate(model.layers.n_unique, model.layers.config.d_model))
     spectra = model_spectra(model)
     doc = {"settings": {**settings_of(args), "versions": io.versions()},
            "model": {"family": model.info.family, "source": model.info.source,
                      "unique_layers": model.layers.n_unique, "schedule": list(model.layers.schedule)},
            "layers": layers_json(model, spectra)}
-    with io.output_dir(args.out) as stage:
+    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"),
                                title=f"{args.model}: eigenvalues of F_t = O_t V_t")
@@ -55,16 +75,24 @@ def cmd_spectrum_model(args) -> int:
 
 
 def cmd_align(args) -> int:
-    from ..models import load
+    from ..models import embed, load
     texts = read_prompts(args)
     if (args.shared_layer is None) != (args.steps is None):
         raise ValueError("--shared-layer and --steps go together")
+    if args.steps is not None:
+        check_steps(args.steps)
     model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    layers = model.layers
+    budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
+    x0, valid = embed(model, texts)
+    steps = len(layers.schedule) if args.steps is None else args.steps
+    budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=steps, batch=x0.shape[0], tokens=x0.shape[1],
+                                     orders=len(ORDERS)))
     result = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
-                         seed=args.seed, progress=not args.quiet)
+                         seed=args.seed, progress=not args.quiet, x0=x0, valid=valid)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, **result.to_json(),
            "layers": layers_json(model, result.spectra)}
-    with io.output_dir(args.out) as stage:
+    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "align.json"), doc)
         result.plot(stage, title=args.model)
     print(f"wrote {args.out}: align.json, alignment figures ({result.n_tokens} tokens, {len(texts)} prompts)")

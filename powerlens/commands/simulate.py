@@ -7,10 +7,11 @@ import numpy as np
 
 from .. import io
 from ..analysis import plots
-from ..analysis.experiment import plot_measures, rows_csv, run_system
+from ..analysis.experiment import NonFiniteStateError, plot_measures, rows_csv, run_system
 from ..analysis.spectra import layer_spectra, spectra_json
 from ..dynamics.params import layer_matrices
-from .system import build_system, initial_tokens
+from . import budget
+from .system import build_system, initial_tokens, token_shape
 
 
 def settings_of(args) -> dict:
@@ -35,16 +36,28 @@ def write_run_figures(stage: str, res, *, title: str = "") -> list:
     return files
 
 
+def non_finite_hint(args) -> str:
+    """What to try when a state overflows: float64, unless the run was float64 already."""
+    return "try smaller weights" if getattr(args, "x64", False) else "try --x64 or smaller weights"
+
+
 def cmd_simulate(args) -> int:
     layers = build_system(args)
-    x0 = initial_tokens(args, layers.config.d_model)
-    res = run_system(layers, x0, rule=args.rule, attention=args.attention, order=args.order,
-                     keep_bias=args.keep_bias or None, seed=args.seed, save_states=args.save_states,
-                     progress=not args.quiet)
+    d = layers.config.d_model
+    B, n = token_shape(args, d)
+    budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=len(layers.schedule), batch=B, tokens=n,
+                                     save_states=args.save_states))
+    x0 = initial_tokens(args, d)
+    try:
+        res = run_system(layers, x0, rule=args.rule, attention=args.attention, order=args.order,
+                         keep_bias=args.keep_bias or None, seed=args.seed, save_states=args.save_states,
+                         progress=not args.quiet)
+    except NonFiniteStateError as exc:
+        raise exc.with_hint(non_finite_hint(args)) from None
     rows = res.measures.rows()
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "steps": rows,
            "layers": spectra_json(res.spectra)}
-    with io.output_dir(args.out) as stage:
+    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "metrics.json"), doc)
         io.write_text(os.path.join(stage, "metrics.csv"), rows_csv(rows))
         if args.save_states:
@@ -65,9 +78,10 @@ def _fmt(v):
 
 def cmd_spectrum_weights(args) -> int:
     layers = build_system(args)
+    budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
     spectra = layer_spectra(np.asarray(layer_matrices(layers)))
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "layers": spectra_json(spectra)}
-    with io.output_dir(args.out) as stage:
+    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"))
     differ = [s.layer for s in spectra if s.orderings_differ]

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import io
 from ..analysis import plots
+from . import budget
 from .simulate import settings_of
 
 NEUTRAL = ["The weather was mild and the streets were quiet.",
@@ -73,6 +74,8 @@ def cmd_steer(args) -> int:
     from ..steering.alpha import check_target
     from ..steering.rank1 import check_alpha
     layers, model, x0, valid, texts = _system(args)
+    budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=len(layers.schedule), batch=x0.shape[0],
+                                     tokens=x0.shape[1], gradients=args.optimize))
     if args.alpha is not None:
         check_alpha(args.alpha)
     target = check_target(args.target_alignment if args.target_alignment is not None else 0.99)
@@ -119,7 +122,7 @@ def cmd_steer(args) -> int:
     if model is not None:
         neutral = NEUTRAL if model.info.decoder else None
         doc["effects"] = output_effects(model, u, delta, texts, target_id=direction.token_id, neutral=neutral)
-    with io.output_dir(args.out) as stage:
+    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "steer.json"), doc)
         plots.plot_curve(grid, {"mean over tokens": np.array(curve_mean), "worst token": np.array(curve_min)},
                          os.path.join(stage, "alignment_vs_alpha.png"), xlabel="α", ylabel="|cos(x_final, u)|",

@@ -19,7 +19,11 @@ def build_system(args) -> Layers:
     if getattr(args, "weights", None):
         layers = load_weights_npz(args.weights, attention=attention, norm=norm, dtype=dtype)
     elif getattr(args, "spectrum", None):
-        layers = synthetic_system(parse_spectrum(args.spectrum), kind=args.kind, heads=args.heads, beta=args.beta,
+        try:
+            eigenvalues = parse_spectrum(args.spectrum)
+        except ValueError as exc:
+            raise ValueError(f"--spectrum: {exc}") from None
+        layers = synthetic_system(eigenvalues, kind=args.kind, heads=args.heads, beta=args.beta,
                                   d=args.dim, seed=args.seed, dtype=dtype)
         layers = layers.replace(config=dataclasses.replace(layers.config, norm=norm))
     else:
@@ -34,24 +38,36 @@ def build_system(args) -> Layers:
     return layers
 
 
+def _open_init(path: str, d: int, *, mmap: bool) -> np.ndarray:
+    """``--init x0.npy`` validated ((n, d) or (B, n, d)); with ``mmap`` only its header is read."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--init file {path!r} does not exist")
+    try:
+        x = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--init {path}: not a readable .npy file ({exc})") from exc
+    if x.ndim not in (2, 3) or x.shape[-1] != d:
+        raise ValueError(f"--init {path}: expected shape (n, {d}) or (B, n, {d}), got {x.shape}")
+    return x
+
+
+def token_shape(args, d: int):
+    """(B, n) of the initial tokens a command will use, before any of them is drawn or read."""
+    if getattr(args, "init", None):
+        shape = _open_init(args.init, d, mmap=True).shape
+        return (shape[0] if len(shape) == 3 else 1), shape[-2]
+    for flag in ("tokens", "batch"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    return args.batch, args.tokens
+
+
 def initial_tokens(args, d: int):
     """x0 from ``--init x0.npy`` ((n, d) or (B, n, d)) or ``--tokens N`` random unit tokens."""
     if getattr(args, "init", None):
-        path = args.init
-        if not os.path.isfile(path):
-            raise ValueError(f"--init file {path!r} does not exist")
-        try:
-            x = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--init {path}: not a readable .npy file ({exc})") from exc
-        if x.ndim not in (2, 3) or x.shape[-1] != d:
-            raise ValueError(f"--init {path}: expected shape (n, {d}) or (B, n, {d}), got {x.shape}")
-        return x
-    if args.tokens <= 0:
-        raise ValueError(f"--tokens must be positive, got {args.tokens}")
+        return np.asarray(_open_init(args.init, d, mmap=False))
+    B, n = token_shape(args, d)
     rng = np.random.default_rng(args.seed + 1)
-    if args.batch <= 0:
-        raise ValueError(f"--batch must be positive, got {args.batch}")
-    if args.batch == 1:
-        return sphere_tokens(rng, args.tokens, d)
-    return np.stack([sphere_tokens(rng, args.tokens, d) for _ in range(args.batch)])
+    if B == 1:
+        return sphere_tokens(rng, n, d)
+    return np.stack([sphere_tokens(rng, n, d) for _ in range(B)])

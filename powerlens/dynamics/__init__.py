@@ -6,20 +6,21 @@ array of shape (n, d) (float32 by default, float64 on request), "bool[B n]" a ma
 on; U is the number of unique layers, T the number of steps, m the number of reference
 subspaces. This package imports nothing from the rest of powerlens.
 """
+from .schedule import Schedule
 from .params import Layer, LayerConfig, Layers, constant_term, layer_matrices, make_layers, value_matrix
 from .layer import RULES, attention_output, faithful_rule, layer_step
 from .attention import ATTENTION_MODES, attention_weights, qkv_weight
 from .subspaces import REFERENCES, Subspaces, null_subspaces, stack_subspaces
-from .observers import Alignment, Observer, Step, alignment, consensus, final, states
+from .observers import Alignment, Observer, Step, alignment, consensus, final, finite, states
 from .measures import Consensus
 from .run import run, run_batch
 from .simulate import Trajectory, pooled, simulate, simulate_batch
 
 __all__ = [
-    "Layer", "LayerConfig", "Layers", "constant_term", "layer_matrices", "make_layers", "value_matrix",
+    "Schedule", "Layer", "LayerConfig", "Layers", "constant_term", "layer_matrices", "make_layers", "value_matrix",
     "RULES", "attention_output", "faithful_rule", "layer_step",
     "ATTENTION_MODES", "attention_weights", "qkv_weight",
     "REFERENCES", "Subspaces", "null_subspaces", "stack_subspaces",
-    "Alignment", "Consensus", "Observer", "Step", "alignment", "consensus", "final", "states",
+    "Alignment", "Consensus", "Observer", "Step", "alignment", "consensus", "final", "finite", "states",
     "run", "run_batch", "Trajectory", "pooled", "simulate", "simulate_batch",
 ]

@@ -15,6 +15,13 @@ through its observers. Host-side statistics (chance levels, p-values) live in
                  = (||sum_i x_i/||x_i||||^2 - n) / (n (n - 1))
 
 xbar is the mean of the valid tokens; every sum runs over valid tokens only.
+
+Every measure is scale-free, as design.md §3 asks: a token is divided by a power of two
+near its largest entry before its norm is taken (exact in binary floating point, so the
+unit tokens are those of X / ||x_i|| bit for bit), and the consensus measures divide the
+whole matrix by a power of two near its largest entry. A finite state whose norms are
+near the largest float (1e36 in float32, whose squares overflow) is measured as the
+same state divided by 1e36; a non-finite state gives NaN measures, never a number.
 """
 from __future__ import annotations
 
@@ -33,6 +40,20 @@ def _safe(norms):
     return jnp.where(norms > 0, norms, 1.0)
 
 
+def _pow2_scale(a):
+    """2^e with a / 2^e in [1/2, 1) for a > 0 (1 for a = 0; inf and NaN pass through as
+    themselves, so that they poison what they scale): dividing by it is exact."""
+    _, e = jnp.frexp(a)
+    return jnp.where(jnp.isfinite(a), jnp.where(a > 0, jnp.ldexp(jnp.ones_like(a), e), 1.0), a)
+
+
+def unit_rows(X):
+    """x_i / ||x_i|| for every row of X "float[n d]" (a zero row stays 0), without squaring a
+    large entry: each row is first divided by a power of two near its largest entry."""
+    Y = X / _pow2_scale(jnp.max(jnp.abs(X), axis=-1, keepdims=True))
+    return Y / _safe(jnp.linalg.norm(Y, axis=-1, keepdims=True))
+
+
 def masked_mean(values, valid):
     """Mean over the valid tokens of values "float[... n]" -> "float[...]"."""
     w, n = _weights(valid, values.dtype)
@@ -45,16 +66,9 @@ def token_mean(X, valid):
     return (w @ X) / n
 
 
-def gamma_from_coordinates(C, norms):
-    """gamma_i = ||c_i|| / ||x_i|| from the coordinates C "float[n ... k]" of each token in
-    one or several orthonormal bases and the token norms "float[n]" -> "float[n ...]"."""
-    scale = _safe(norms).reshape(norms.shape + (1,) * (C.ndim - 2))
-    return jnp.linalg.norm(C, axis=-1) / scale
-
-
 def alignment(X, basis):
     """gamma_i = ||B^T x_i|| / ||x_i|| of every token: X "float[n d]", B "float[d k]" -> "float[n]"."""
-    return gamma_from_coordinates(X @ basis, jnp.linalg.norm(X, axis=-1))
+    return jnp.linalg.norm(unit_rows(X) @ basis, axis=-1)
 
 
 def wrap_angle(a):
@@ -75,9 +89,12 @@ class Consensus:
 
 
 def _masked(X, valid):
-    """(Xw, R): the valid rows of X and of its residual R = X - 1 xbar^T (others zeroed)."""
-    w, _ = _weights(valid, X.dtype)
-    return X * w[:, None], (X - token_mean(X, valid)) * w[:, None]
+    """(Xw, R): the valid rows of X and of its residual R = X - 1 xbar^T (others zeroed),
+    both divided by a power of two near the largest valid entry (the ratios are scale-free)."""
+    v = valid[:, None]
+    Xw = jnp.where(v, X, 0)
+    Xw = Xw / _pow2_scale(jnp.max(jnp.abs(Xw)))
+    return Xw, jnp.where(v, Xw - token_mean(Xw, valid), 0)
 
 
 def _frobenius_ratio(R, Xw):
@@ -89,12 +106,10 @@ def _ratio_1inf(R, Xw):
     return jnp.sqrt(n1inf(jnp.abs(R)) / n1inf(jnp.abs(Xw)))
 
 
-def mean_pairwise_cosine(X, valid, norms=None):
-    """Mean of cos(x_i, x_j) over ordered pairs of distinct valid tokens (1 at consensus);
-    ``norms`` "float[n]": the row norms when the caller has them."""
+def mean_pairwise_cosine(X, valid):
+    """Mean of cos(x_i, x_j) over ordered pairs of distinct valid tokens (1 at consensus)."""
     w, n = _weights(valid, X.dtype)
-    norms = jnp.linalg.norm(X, axis=-1) if norms is None else norms
-    s = (w / _safe(norms)) @ X
+    s = w @ jnp.where(valid[:, None], unit_rows(X), 0)
     return (jnp.dot(s, s) - jnp.sum(w)) / jnp.maximum(n * (n - 1), 1.0)
 
 
@@ -108,8 +123,8 @@ def rank_collapse_residual(X, valid):
     return _ratio_1inf(*_masked(X, valid)[::-1])
 
 
-def consensus_measures(X, valid, norms=None) -> Consensus:
-    """All three consensus measures of one state, sharing the masked residual and norms."""
+def consensus_measures(X, valid) -> Consensus:
+    """All three consensus measures of one state, sharing the masked, scaled residual."""
     Xw, R = _masked(X, valid)
     return Consensus(consensus=_frobenius_ratio(R, Xw), rank_collapse=_ratio_1inf(R, Xw),
-                     pairwise_cos=mean_pairwise_cosine(X, valid, norms))
+                     pairwise_cos=mean_pairwise_cosine(X, valid))

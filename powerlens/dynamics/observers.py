@@ -15,6 +15,7 @@ only by what ``update`` returns. Ready observers:
                            references and the rotation "float[T]" in the principal plane
     consensus()            mu, rank-collapse residual, pairwise cosine "float[T+1]"
     states()               every state "float[T+1 n d]"
+    finite()               is every valid token of each state finite and non-zero? "bool[T+1]"
     final()                the last state "float[n d]"
 
 Measures of a *state* (consensus, states) include the initial state at index 0, so they
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .measures import consensus_measures, gamma_from_coordinates, masked_mean, wrap_angle
+from .measures import consensus_measures, masked_mean, unit_rows, wrap_angle
 from .params import layer_matrices
 from .subspaces import Subspaces, reference_index
 
@@ -98,8 +99,9 @@ def alignment(subspaces: Subspaces, *, rotation_in: str = "principal") -> Observ
     """gamma, gamma_before, rho against every reference and the rotation (see :class:`Alignment`).
 
     All m bases of a layer sit side by side in one "float[d m*k]" matrix, so one matmul
-    projects the tokens on all of them. With a single unique layer (a shared-weight system)
-    the projection of x_{t+1} is carried to the next step instead of recomputed.
+    projects the unit tokens (scale-free: :func:`~powerlens.dynamics.measures.unit_rows`) on
+    all of them. With a single unique layer (a shared-weight system) the projection of
+    x_{t+1} is carried to the next step instead of recomputed.
     """
     U, m, d, k = subspaces.basis.shape
     names = subspaces.names
@@ -107,12 +109,11 @@ def alignment(subspaces: Subspaces, *, rotation_in: str = "principal") -> Observ
     B_all = jnp.swapaxes(subspaces.basis, 1, 2).reshape(U, d, m * k)
     shared = U == 1
 
-    def project(X, u, norms=None):
+    def project(X, u):
         """gamma "float[m n]" against every reference, each token's angle in the plane "float[n]"."""
-        C = (X @ B_all[u]).reshape(X.shape[0], m, k)
-        norms = jnp.linalg.norm(X, axis=-1) if norms is None else norms
+        C = (unit_rows(X) @ B_all[u]).reshape(X.shape[0], m, k)       # coordinates of x_i / ||x_i||
         angle = None if p is None else jnp.arctan2(C[:, p, 1], C[:, p, 0])
-        return gamma_from_coordinates(C, norms).T, angle
+        return jnp.linalg.norm(C, axis=-1).T, angle
 
     def init(x0, valid, layers):
         pair = None if p is None else complex_pair_planes(subspaces, layers, p)
@@ -145,19 +146,34 @@ def _prepend(first, rest):
     return jax.tree_util.tree_map(lambda a0, a: jnp.concatenate([a0[None], a]), first, rest)
 
 
+def per_state(measure: Callable[[Any, Any], Any]) -> Observer:
+    """``measure(X, valid)`` of every state x_0 .. x_T, stacked over the T+1 states (index 0: x_0)."""
+    return Observer(init=lambda x0, valid, layers: measure(x0, valid),
+                    update=lambda first, X, Y, step: (first, measure(Y, step.valid)),
+                    finish=_prepend)
+
+
 def consensus() -> Observer:
     """mu, the rank-collapse residual and the pairwise cosine of every state: a
     :class:`~powerlens.dynamics.measures.Consensus` of "float[T+1]" arrays."""
-    return Observer(init=lambda x0, valid, layers: consensus_measures(x0, valid),
-                    update=lambda first, X, Y, step: (first, consensus_measures(Y, step.valid)),
-                    finish=_prepend)
+    return per_state(consensus_measures)
 
 
 def states() -> Observer:
     """Every state x_0 .. x_T: "float[T+1 n d]"."""
-    return Observer(init=lambda x0, valid, layers: x0,
-                    update=lambda x0, X, Y, step: (x0, Y),
-                    finish=_prepend)
+    return per_state(lambda X, valid: X)
+
+
+def _all_finite(X, valid):
+    """Every valid token finite and non-zero (a zero token, e.g. N2 of an overflowed norm, has no direction)."""
+    return jnp.all((jnp.all(jnp.isfinite(X), axis=-1) & jnp.any(X != 0, axis=-1)) | ~valid)
+
+
+def finite() -> Observer:
+    """Whether every valid token of each state x_0 .. x_T is finite and non-zero: "bool[T+1]"
+    (so that a caller names the first bad step instead of reporting numbers measured on inf,
+    NaN or a token without a direction)."""
+    return per_state(_all_finite)
 
 
 def final() -> Observer:
@@ -167,4 +183,4 @@ def final() -> Observer:
                     finish=lambda last, outs: last)
 
 
-READY = {"alignment": alignment, "consensus": consensus, "states": states, "final": final}
+READY = {"alignment": alignment, "consensus": consensus, "states": states, "finite": finite, "final": final}

@@ -18,19 +18,22 @@ Column-vector maths: a token x maps to ``F x`` with
 each query head h uses the value head ``h // (H // G)``.
 
 The order in which the unique layers are applied is the static ``schedule`` of
-the config: ``None`` means ``0, 1, ..., U-1`` (a layer-varying model); a shared
-weight system is one layer with ``schedule = (0,) * T``; ALBERT's layer groups
-are a short tuple of group indices. Weights are never tiled.
+the config, a compact :class:`~powerlens.dynamics.schedule.Schedule`: ``None`` means
+``Schedule.range(U)`` (a layer-varying model); a shared-weight system is one layer with
+``Schedule.repeat(0, T)`` (three integers, however large T); ALBERT's layer groups are a
+short explicit tuple of group indices. Weights are never tiled.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from .schedule import Schedule
 
 NORMS = ("l2", "layernorm", "rmsnorm")
 FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
@@ -51,7 +54,8 @@ class LayerConfig:
       rope_theta: RoPE base, ``None`` for no rotary embedding.
       rope_dim: number of rotated dimensions per head (``None`` = all).
       ffn_activation: activation of the FFN for rule ``full`` (``None`` if absent).
-      schedule: static tuple of unique-layer indices applied one per step.
+      schedule: the unique-layer index of each step, a :class:`Schedule` (any sequence of
+        ints is converted; ``None`` = one step per unique layer).
       family: free-form family name, for reports.
     """
 
@@ -66,14 +70,18 @@ class LayerConfig:
     rope_theta: Optional[float] = None
     rope_dim: Optional[int] = None
     ffn_activation: Optional[str] = None
-    schedule: Optional[Tuple[int, ...]] = None
+    schedule: Optional[Schedule] = None
     family: str = "synthetic"
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.schedule is not None:
-            object.__setattr__(self, "schedule", tuple(int(s) for s in self.schedule))
+            object.__setattr__(self, "schedule", Schedule.of(self.schedule))
+        if not isinstance(self.causal, (bool, np.bool_)) and not (
+                isinstance(self.causal, np.ndarray) and self.causal.shape == () and self.causal.dtype == bool):
+            raise ValueError(f"LayerConfig.causal must be a bool (True or False), got {self.causal!r}")
+        object.__setattr__(self, "causal", bool(self.causal))
         for name in ("d_model", "n_heads", "d_head", "n_kv_heads"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v <= 0:
@@ -94,9 +102,9 @@ class LayerConfig:
         """Query heads per key/value head."""
         return self.n_heads // self.n_kv_heads
 
-    def steps_for(self, n_unique: int) -> Tuple[int, ...]:
+    def steps_for(self, n_unique: int) -> Schedule:
         """The schedule, defaulting to one step per unique layer."""
-        return self.schedule if self.schedule is not None else tuple(range(n_unique))
+        return self.schedule if self.schedule is not None else Schedule.range(n_unique)
 
 
 @struct.dataclass
@@ -129,7 +137,7 @@ class Layers:
         return int(self.W_v.shape[0])
 
     @property
-    def schedule(self) -> Tuple[int, ...]:
+    def schedule(self) -> Schedule:
         return self.config.steps_for(self.n_unique)
 
     def layer(self, i) -> "Layer":
@@ -137,32 +145,34 @@ class Layers:
         return jax.tree_util.tree_map(lambda a: a[i], self)
 
     def with_schedule(self, schedule) -> "Layers":
-        sched = tuple(int(s) for s in schedule)
-        if not sched:
-            raise ValueError("schedule must contain at least one step")
-        bad = [s for s in sched if not 0 <= s < self.n_unique]
-        if bad:
-            raise ValueError(f"schedule refers to layer(s) {sorted(set(bad))} but only {self.n_unique} exist")
+        """The same layers applied in the order ``schedule`` (a sequence of unique-layer
+        indices or a :class:`Schedule`; validated without expanding a compact one)."""
+        sched = Schedule.of(schedule)
+        lo, hi = sched.bounds()
+        if lo < 0 or hi >= self.n_unique:
+            bad = sorted({s for s in (lo, hi) if not 0 <= s < self.n_unique}) if sched.arithmetic else \
+                sorted({s for s in sched if not 0 <= s < self.n_unique})
+            raise ValueError(f"schedule refers to layer(s) {bad} but only {self.n_unique} exist")
         return self.replace(config=dataclasses.replace(self.config, schedule=sched))
 
     def select(self, schedule) -> "Layers":
-        """Only the unique layers that ``schedule`` (a tuple of indices) applies, with the
-        schedule renumbered onto them: the same dynamics without the unused layers' arrays."""
-        used = sorted({int(s) for s in schedule})
+        """Only the unique layers that ``schedule`` (indices or a :class:`Schedule`) applies,
+        with the schedule renumbered onto them: the same dynamics without the unused layers' arrays."""
+        used, renumbered = Schedule.of(schedule).renumbered()
         sub = jax.tree_util.tree_map(lambda a: a[np.asarray(used)], self)
-        return sub.replace(config=dataclasses.replace(self.config, schedule=tuple(used.index(int(s))
-                                                                                 for s in schedule)))
+        return sub.replace(config=dataclasses.replace(self.config, schedule=renumbered))
 
     def shared(self, layer: int, steps: int) -> "Layers":
         """Unique layer ``layer`` iterated ``steps`` times as a shared-weight system.
 
-        Only that layer's arrays are kept (one copy) and the schedule is ``(0,)*steps``.
+        Only that layer's arrays are kept (one copy) and the schedule is
+        ``Schedule.repeat(0, steps)``: O(1) however many steps.
         """
         check_steps(steps)
         if not -self.n_unique <= layer < self.n_unique:
             raise ValueError(f"shared layer index {layer} out of range for {self.n_unique} layers")
         one = jax.tree_util.tree_map(lambda a: a[layer:layer + 1] if layer != -1 else a[-1:], self)
-        return one.replace(config=dataclasses.replace(self.config, schedule=(0,) * int(steps)))
+        return one.replace(config=dataclasses.replace(self.config, schedule=Schedule.repeat(0, steps)))
 
 
 Layer = Layers
@@ -221,20 +231,52 @@ def _ffn_shapes(arrays: dict, U: int, d: int) -> dict:
     return {"W_in": (U, f, d), "b_in": (U, f), "W_gate": (U, f, d), "W_out": (U, d, f), "b_out": (U, d)}
 
 
+def real_array(name: str, a):
+    """``a`` (an array, returned as is, or a list or scalar, as a NumPy array) after checking
+    that it holds real numbers (float or integer): a complex, bool, string or object array
+    is an error naming ``name``, never a cast."""
+    if not isinstance(a, (np.ndarray, jax.Array)):
+        try:
+            a = np.asarray(a)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an array of real numbers, got {type(a).__name__}") from None
+    if a.dtype == bool or not (jnp.issubdtype(a.dtype, np.floating) or jnp.issubdtype(a.dtype, np.integer)):
+        raise ValueError(f"{name} must be an array of real numbers (float or integer), got dtype {a.dtype}")
+    return a
+
+
+def check_window(window, U: int) -> jax.Array:
+    """The local-attention window of each layer "int32[U]": integers >= 0 (0 = global)."""
+    if window is None:
+        return jnp.zeros((U,), jnp.int32)
+    w = real_array("window", window)
+    if not np.issubdtype(w.dtype, np.integer):
+        raise ValueError(f"window must be an integer >= 0 (0 = global attention), got dtype {w.dtype}")
+    if np.any(w < 0):
+        raise ValueError(f"window must be an integer >= 0 (0 = global attention), got {w.min()}")
+    if np.any(w > np.iinfo(np.int32).max):
+        raise ValueError(f"window {w.max()} does not fit an int32")
+    try:
+        return jnp.broadcast_to(jnp.asarray(w, jnp.int32), (U,))
+    except ValueError:
+        raise ValueError(f"window has shape {w.shape}, expected () or ({U},)") from None
+
+
 def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config=None, **arrays) -> Layers:
     """Build validated :class:`Layers` from per-layer arrays (leading layer axis required).
 
     ``config`` defaults to a synthetic ``l2`` system with sizes read off the shapes.
-    Every shape is checked (the FFN width f is read off W_in, or W_out without W_in) and
-    every array must be finite; errors name the array.
+    Every shape is checked (the FFN width f is read off W_in, or W_out without W_in), every
+    array must be real (float or integer: complex, bool, string or object arrays are
+    refused, not cast) and finite, and ``window`` an integer >= 0; errors name the array.
     """
-    W_v = jnp.asarray(W_v)
-    W_o = jnp.asarray(W_o)
+    W_v = jnp.asarray(real_array("W_v", W_v))
+    W_o = jnp.asarray(real_array("W_o", W_o))
     if W_v.ndim != 4:
         raise ValueError(f"W_v must have shape (L, H, d_head, d), got {tuple(W_v.shape)}")
     U, G, e, d = W_v.shape
     if W_q is not None:
-        W_q = jnp.asarray(W_q)
+        W_q = jnp.asarray(real_array("W_q", W_q))
         if W_q.ndim != 4:
             raise ValueError(f"W_q must have shape (L, H, d_head, d), got {tuple(W_q.shape)}")
         H = W_q.shape[1]
@@ -255,14 +297,12 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
     fields = dict(arrays, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o)
     if scale is None:
         scale = jnp.full((U,), 1.0 / np.sqrt(e), W_v.dtype)
-    scale = jnp.broadcast_to(jnp.asarray(scale, W_v.dtype), (U,))
-    if window is None:
-        window = jnp.zeros((U,), jnp.int32)
-    window = jnp.broadcast_to(jnp.asarray(window, jnp.int32), (U,))
+    scale = jnp.broadcast_to(jnp.asarray(real_array("scale", scale), W_v.dtype), (U,))
+    window = check_window(window, U)
     for name, a in list(fields.items()):
         if a is None:
             continue
-        a = jnp.asarray(a)
+        a = jnp.asarray(real_array(name, a))
         fields[name] = a
         if name in expect and tuple(a.shape) != expect[name]:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expect[name]}")

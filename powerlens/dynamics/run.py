@@ -10,7 +10,9 @@ for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
 
 Costs paid once, outside the scan: the fused q/k/v weight of every unique layer
 (:func:`~powerlens.dynamics.attention.qkv_weight`), and, for a single unique layer (a
-shared-weight system), that layer's parameters (no gather per step).
+shared-weight system), that layer's parameters (no gather per step). A compact static
+schedule (:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one
+step per layer) is scanned by its length alone: no "int[T]" index array is built.
 """
 from __future__ import annotations
 
@@ -51,7 +53,12 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     x0 = jnp.asarray(x0, layers.W_v.dtype)          # the system's precision (NumPy float64 tokens too)
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    sched = jnp.asarray(layers.schedule if schedule is None else schedule, jnp.int32)
+    static = layers.schedule if schedule is None else None
+    if static is not None and static.arithmetic:      # layer of step t = start + stride * t
+        xs, length, layer_of = None, len(static), lambda t, _: static.start + static.stride * t
+    else:
+        xs = jnp.asarray(static if schedule is None else schedule, jnp.int32)
+        length, layer_of = xs.shape[0], lambda t, u: u
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
     qkv_all = None
     if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
@@ -60,9 +67,9 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     qkv0 = qkv_all[0] if shared and qkv_all is not None else None
     observers = dict(observers)
 
-    def step(carry, tu):
-        X, obs_states = carry
-        t, u = tu
+    def step(carry, u):
+        X, obs_states, t = carry
+        u = layer_of(t, u)
         lp = lp0 if shared else layers.layer(u)
         qkv = qkv0 if shared else (None if qkv_all is None else qkv_all[u])
         Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
@@ -71,11 +78,10 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         new, outs = {}, {}
         for name, ob in observers.items():
             new[name], outs[name] = ob.update(obs_states[name], X, Y, info)
-        return (Y, new), outs
+        return (Y, new, t + 1), outs
 
     init = {name: ob.init(x0, valid, layers) for name, ob in observers.items()}
-    steps = (jnp.arange(sched.shape[0], dtype=jnp.int32), sched)
-    (_, last), outs = jax.lax.scan(step, (x0, init), steps)
+    (_, last, _), outs = jax.lax.scan(step, (x0, init, jnp.zeros((), jnp.int32)), xs, length=length)
     return {name: ob.finish(last[name], outs[name]) for name, ob in observers.items()}
 
 
@@ -87,14 +93,14 @@ def _run_batch(layers, X0, valid, positions, schedule, *, rule, attention, keep_
     return jax.vmap(one)(X0, valid)
 
 
-BATCH_OBSERVERS = ("consensus", "states", "final")
+BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
 
 
 def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *, rule: str = "paper",
               attention: str = "softmax", observe: Sequence[str] = ("final",), keep_bias: Optional[bool] = None,
               positions: "int[n] | None" = None, schedule: "int[T] | None" = None) -> Dict[str, Any]:
     """:func:`run` over a batch of prompts (validated, jit-compiled, vmapped), with the ready
-    observers that need no arrays, by name: ``consensus``, ``states``, ``final``.
+    observers that need no arrays, by name: ``consensus``, ``states``, ``finite``, ``final``.
 
     Returns ``{name: result}`` with a leading prompt axis B, e.g. ``"final"``:
     "float[B n d]", ``"states"``: "float[B T+1 n d]". A single prompt "float[n d]" gets B = 1.

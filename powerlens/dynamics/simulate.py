@@ -2,8 +2,8 @@
 
 ``simulate`` is written for one prompt x0 "float[n d]" and one system; batch prompts and
 sweep systems with ``vmap`` (``simulate_batch`` does the former, validated and jitted).
-It runs the observers ``alignment(subspaces)``, ``consensus()``, ``final()`` (and
-``states()`` with ``save_states``) and packs their results into a :class:`Trajectory`.
+It runs the observers ``alignment(subspaces)``, ``consensus()``, ``finite()``, ``final()``
+(and ``states()`` with ``save_states``) and packs their results into a :class:`Trajectory`.
 Memory is O(T) scalars unless ``save_states`` keeps the "float[T+1 n d]" states.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flax import struct
 from .attention import check_attention
 from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
-from .observers import alignment, consensus, final, states
+from .observers import alignment, consensus, final, finite, states
 from .run import run
 from .subspaces import REFERENCES, Subspaces, reference_index
 
@@ -35,6 +35,8 @@ class Trajectory:
       rotation: "float[T]" mean angle step in the principal plane, in [-pi, pi) (NaN unless
         the principal subspace is a 2-D complex-pair plane).
       consensus, rank_collapse, pairwise_cos: "float[T+1]" of x_0 .. x_T (index 0: x0).
+      finite: "bool[T+1]" whether every valid token of state t is finite and non-zero (a
+        measure of a non-finite state is NaN: report the first False, never the numbers).
       n_valid: "int[]" number of valid tokens.
       final: "float[n d]" the last state x_T.
       states: "float[T+1 n d]" every state, when asked (``save_states``), else None.
@@ -49,6 +51,7 @@ class Trajectory:
     consensus: jax.Array
     rank_collapse: jax.Array
     pairwise_cos: jax.Array
+    finite: jax.Array
     n_valid: jax.Array
     final: jax.Array
     states: Optional[jax.Array] = None
@@ -77,7 +80,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    observers = {"alignment": alignment(subspaces), "consensus": consensus(), "final": final()}
+    observers = {"alignment": alignment(subspaces), "consensus": consensus(), "finite": finite(), "final": final()}
     if save_states:
         observers["states"] = states()
     out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
@@ -86,7 +89,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     return Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
                       consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
                       n_valid=jnp.sum(valid), final=out["final"], states=out.get("states"),
-                      references=subspaces.names)
+                      finite=out["finite"], references=subspaces.names)
 
 
 _STATIC = ("rule", "attention", "keep_bias", "save_states")
@@ -125,8 +128,8 @@ def pooled(traj: Trajectory) -> dict:
     """Pool a batch Trajectory over prompts, weighting by valid tokens.
 
     Returns NumPy arrays: gamma, gamma_before, rho "float[T m]"; rho_count "int[T m]",
-    n_tokens (int); and the prompt-mean of consensus, rank_collapse, pairwise_cos
-    "float[T+1]" and rotation "float[T]".
+    n_tokens (int); the prompt-mean of consensus, rank_collapse, pairwise_cos
+    "float[T+1]" and rotation "float[T]"; and finite "bool[T+1]" (every prompt's state finite).
     """
     w = np.asarray(traj.n_valid, np.float64)
     if w.ndim == 0:
@@ -142,4 +145,5 @@ def pooled(traj: Trajectory) -> dict:
         "rank_collapse": np.asarray(traj.rank_collapse, np.float64).mean(0),
         "pairwise_cos": np.asarray(traj.pairwise_cos, np.float64).mean(0),
         "rotation": np.asarray(traj.rotation, np.float64).mean(0),
+        "finite": np.asarray(traj.finite, bool).all(0),
     }

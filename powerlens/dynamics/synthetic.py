@@ -14,7 +14,8 @@ from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .params import LayerConfig, Layers, make_layers
+from .params import LayerConfig, Layers, check_steps, make_layers
+from .schedule import Schedule
 
 KINDS = ("symmetric", "normal", "nonnormal")
 
@@ -103,7 +104,7 @@ def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, be
                      dtype=np.float32) -> Layers:
     """A one-layer (shared-weight) system with F of the given spectrum.
 
-    ``steps`` sets the schedule to that layer repeated ``steps`` times.
+    ``steps`` sets the schedule to that layer repeated ``steps`` times (``Schedule.repeat``).
     """
     if heads <= 0:
         raise ValueError(f"heads must be positive, got {heads}")
@@ -117,7 +118,7 @@ def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, be
     e = W_v.shape[1]
     W_q, W_k = random_queries_keys(rng, d, heads, e)
     cfg = LayerConfig(d_model=d, n_heads=heads, d_head=e, norm="l2",
-                      schedule=None if steps is None else (0,) * int(steps))
+                      schedule=None if steps is None else Schedule.repeat(0, check_steps(steps)))
     return make_layers(W_v[None].astype(dtype), W_o[None].astype(dtype), W_q=W_q[None].astype(dtype),
                        W_k=W_k[None].astype(dtype), scale=beta / np.sqrt(e), config=cfg)
 

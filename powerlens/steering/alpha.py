@@ -49,7 +49,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -139,10 +139,10 @@ def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse",
 
 # ------------------------------------------------------------------ (b) one-step alignment
 
-def steered_steps(layers: Layers, layer: int) -> Tuple[int, ...]:
-    """The schedule steps that apply unique layer ``layer``."""
+def steered_steps(layers: Layers, layer: int) -> Sequence[int]:
+    """The schedule steps that apply unique layer ``layer`` (a tuple, or a range)."""
     l = layer_index(layers, layer)
-    steps = tuple(t for t, s in enumerate(layers.schedule) if s == l)
+    steps = layers.schedule.steps_of(l)               # a range for a compact schedule
     if not steps:
         raise ValueError(f"unique layer {l} is never applied by the schedule {layers.schedule}")
     return steps

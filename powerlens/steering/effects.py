@@ -51,7 +51,7 @@ def steered_model(model, delta_O, layer: int = -1):
 
 
 def _run(layers, schedule, X, valid, rule="full"):
-    """The tokens "float[B n d]" after the steps ``schedule`` (a tuple of unique layers) from X."""
+    """The tokens "float[B n d]" after the steps ``schedule`` (a Schedule or tuple of unique layers) from X."""
     if not schedule:
         return X
     return run_batch(layers, X, valid, rule=rule, schedule=np.asarray(schedule), observe=("final",))["final"]
@@ -76,7 +76,7 @@ def paper_alignment(layers, x0, valid, u) -> dict:
 def last_step(layers, layer: int) -> int:
     """The last schedule step that applies unique layer ``layer``."""
     l = layer_index(layers, layer)
-    steps = [t for t, s in enumerate(layers.schedule) if s == l]
+    steps = layers.schedule.steps_of(l)               # a range for a compact schedule
     if not steps:
         raise ValueError(f"unique layer {l} is never applied by the schedule {layers.schedule}")
     return steps[-1]

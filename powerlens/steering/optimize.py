@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Tuple
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ REDUCTIONS = ("mean", "min")
 
 def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rule, attention, keep_bias,
              positions=None) -> "float[B n d]":
-    """Final tokens after the steps ``tail`` (static tuple of unique-layer indices): the
+    """Final tokens after the steps ``tail`` (a static Schedule or tuple of unique-layer indices): the
     ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
     the optimiser differentiates through it). Only the layers of the tail are kept, so the
     fused q/k/v weights are built for those alone."""
@@ -105,7 +105,7 @@ def _delta_sq(params, param):
     return jnp.sum(jnp.sum(P[:, :, None] * P[:, None, :], axis=0) * jnp.sum(Q[:, :, None] * Q[:, None, :], axis=0))
 
 
-def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Tuple[int, ...],
+def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Sequence[int],
               rule: str, attention: str,
               keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
               mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
@@ -383,7 +383,7 @@ def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: st
     X, vb = entering_states(layers, x0, valid, layer=l, rule=rule, attention=attention, keep_bias=kb,
                             positions=positions)
     t0 = steered_steps(layers, l)[0]
-    return X, vb, tuple(layers.schedule[t0:]), l, kb
+    return X, vb, layers.schedule[t0:], l, kb
 
 
 def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: float = 0.99,
