@@ -38,7 +38,8 @@ _EXPORTS = {
         "Layer", "LayerConfig", "Layers", "layer_matrices", "make_layers", "constant_term", "value_matrix",
         "RULES", "ATTENTION_MODES", "layer_step", "attention_output", "faithful_rule",
         "Subspaces", "null_subspaces", "REFERENCES",
-        "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final",
+        "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final", "finite",
+        "Schedule",
         "Alignment", "Consensus", "Trajectory", "simulate", "simulate_batch", "pooled")},
     **{n: ("powerlens.dynamics.synthetic", n) for n in (
         "synthetic_system", "spectrum_matrix", "parse_spectrum", "sphere_tokens", "cone_tokens",

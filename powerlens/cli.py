@@ -239,7 +239,8 @@ def main(argv=None) -> int:
                 return int(args.func(args) or 0)
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
-        print(f"powerlens {args.command}: interrupted; finished work is kept", file=sys.stderr)
+        kept = "finished chunks are kept" if args.command in ("reproduce", "sweep") else "nothing was written"
+        print(f"powerlens {args.command}: interrupted; {kept}", file=sys.stderr)
         return 130
     except Exception as exc:                    # every failure is one line, exit 2 (--debug: the traceback)
         if debug:

@@ -67,7 +67,13 @@ def write_bytes(path: str, data: bytes) -> str:
 
 
 def write_json(path: str, obj: Any) -> str:
-    return write_text(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    """Write ``obj`` as JSON (NaN/inf -> null), indented for reading unless it is large: the
+    indenting encoder is pure Python, ~10x slower than the compact one on a long run's rows."""
+    doc = to_jsonable(obj)
+    text = json.dumps(doc, allow_nan=False)
+    if len(text) < 2_000_000:
+        text = json.dumps(doc, indent=2, allow_nan=False)
+    return write_text(path, text + "\n")
 
 
 def save_npy(path: str, arr) -> str:
