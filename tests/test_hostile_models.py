@@ -468,7 +468,7 @@ def test_an_unsafe_pickle_is_one_line_and_inert(tmp_path, with_torch, capsys):
     marker = tmp_path / "ran"
     msg = one_line_error(load, write_evil_bin(tmp_path / "m", marker, with_torch=with_torch))
     assert "pytorch_model.bin" in msg and "refused" in msg
-    assert len(msg) < 400, msg
+    assert len(msg.replace(str(tmp_path), "")) < 400, msg        # one short line, whatever the path
     assert not marker.exists()
     assert capsys.readouterr().err == ""          # no multi-line warning from torch either
 
