@@ -46,6 +46,8 @@ _EXPORTS = {
         "bipartite_tokens")},
     "simulate_sweep": ("powerlens.dynamics.sweep", "simulate_sweep"),
     "stack_systems": ("powerlens.dynamics.sweep", "stack_systems"),
+    "sweep": ("powerlens.sweeps.api", "sweep"),
+    "load_sweep": ("powerlens.sweeps.api", "load_sweep"),
     # models: checkpoints, embeddings, the model's own forward pass
     **{n: ("powerlens.models", n) for n in (
         "load", "resolve", "embed", "embed_ids", "tokenize", "hidden_states", "logits", "run_states",

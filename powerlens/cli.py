@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same results.json")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_reproduce)
+    from .commands.sweep import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702
     return parser
 
 

@@ -39,7 +39,7 @@ PACKAGE = "powerlens"
 
 TOP = 5
 LEVELS = {"io": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
-          "reproduce": TOP, "commands": TOP, "cli": TOP}
+          "reproduce": TOP, "commands": TOP, "cli": TOP, "sweeps": TOP}
 FACADE = "__init__"           # the unit of the package's own __init__.py
 
 

@@ -1,4 +1,4 @@
-"""Sections 1-4: the paper's shared-weight claims on synthetic systems.
+"""Sections 1-4: the paper's shared-weight claims on synthetic systems, each a sweep spec.
 
 1. strictly dominant real eigenvalue: consensus at rate 1/|1+lambda1|, direction -> v1
    at rate |1+lambda2|/|1+lambda1|, over a sweep of spectra;
@@ -7,96 +7,148 @@
 3. close top eigenvalues: fast convergence into span(v1, v2), slow toward v1;
 4. bipartite consensus: the fraction of near-bipartite starts that stay bipartite,
    against heads and beta, over >= 1000 systems.
+
+Each section is a spec in ``powerlens/reproduce/specs/`` run by the sweep engine
+(:mod:`powerlens.sweeps.engine`) into reproduce's chunk store; ``--quick`` and ``--seed``
+override its grid and seed. The systems of a point are built by the builders below
+(``builder = "powerlens.reproduce.synthetic:..."``), which keep each section's own
+spectrum law and random streams; the engine runs them and measures the columns.
 """
 from __future__ import annotations
 
+import os
 
-import jax
 import numpy as np
 
 from ..analysis import plots
-from ..analysis.spectra import sweep_subspaces
 from ..dynamics.params import layer_matrices
-from ..dynamics.sweep import simulate_sweep, stack_systems
 from ..dynamics.synthetic import bipartite_tokens, cone_tokens, spectrum_matrix, synthetic_system
+from ..sweeps.columns import fit_rates
+from ..sweeps.engine import run_sweep
+from ..sweeps.spec import load_spec
+from ..sweeps.systems import from_layers
 from .section import SectionResult, Table, verdict_from
+
+SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
 
 
 def fit_rate(values, lo: float, hi: float, min_points: int = 3) -> float:
     """exp(slope) of log(values) over the steps where lo < value < hi (NaN if too few)."""
-    v = np.asarray(values, float)
-    t = np.arange(len(v))
-    ok = np.isfinite(v) & (v > lo) & (v < hi)
-    if ok.sum() < min_points:
-        return float("nan")
-    slope = np.polyfit(t[ok], np.log(v[ok]), 1)[0]
-    return float(np.exp(slope))
+    return float(fit_rates(np.asarray(values, float)[None], (lo, hi), min_points=min_points)[0])
 
 
-def _mean_direction_tan(states, basis):
-    """tan of the angle between the token mean and a subspace (orthonormal basis (d, k)), per step."""
-    m = states.mean(axis=-2)                       # (T+1, d)
-    p = m @ basis
-    par = np.linalg.norm(p, axis=-1)
-    perp = np.linalg.norm(m - p @ basis.T, axis=-1)
-    return perp / np.maximum(par, 1e-300)
+def run_section(ctx, name: str, desc: str, **overrides):
+    """(spec, table) of section spec ``name`` (``specs/NAME.toml``, seed and overrides from the run)."""
+    spec = load_spec(os.path.join(SPECS, name + ".toml"), overrides={"seed": ctx.seed, **overrides})
+    return spec, run_sweep(spec, ctx.store, progress=ctx.show_progress, desc=desc, prefix=name + "-").table
 
 
-def _systems(spectra_list, *, kind, heads, beta, d, seed, steps, dtype=np.float64):
-    return [synthetic_system(s, kind=kind, heads=heads, beta=beta, d=d, seed=seed + i, steps=steps, dtype=dtype)
-            for i, s in enumerate(spectra_list)]
+def _nan(v):
+    return None if v is None or not np.isfinite(v) else float(v)
 
 
-def _sweep_states(systems, n_tokens, seed, *, attention="softmax", cone=0.5):
-    """Simulate every system from tokens in a cone of half-angle ``cone`` rad around a random axis.
+# --------------------------------------------------------------------------- builders
+
+def _dtype(point):
+    return np.float64 if point["x64"] else np.float32
+
+
+def _cone_systems(spectra_list, point, system_seed: int, start_seed: int):
+    """Synthetic systems ``system_seed + i`` of the point's kind/heads/beta/d, tokens in a cone
+    of half-angle ``cone`` around a random axis (one stream, seed ``start_seed``, system after
+    system), random-subspace controls with seeds ``start_seed + i``.
 
     Starting inside an open hemisphere is the standard condition for consensus; from a
     spread start a softmax system can also settle into bipartite or periodic states.
     """
-    spectra, subs = sweep_subspaces(systems, seed=seed)
-    d = systems[0].config.d_model
-    rng = np.random.default_rng(seed)
-    X0 = np.stack([cone_tokens(rng, n_tokens, rng.standard_normal(d), rng.uniform(0, cone, n_tokens)[:, None])
+    d, n = point["d"], point["tokens"]
+    systems = [synthetic_system(s, kind=point["kind"], heads=point["heads"], beta=point["beta"], d=d,
+                                seed=system_seed + i, steps=point["steps"], dtype=_dtype(point))
+               for i, s in enumerate(spectra_list)]
+    rng = np.random.default_rng(start_seed)
+    X0 = np.stack([cone_tokens(rng, n, rng.standard_normal(d), rng.uniform(0, point["cone"], n)[:, None])
                    for _ in systems])
-    traj = simulate_sweep(stack_systems(systems), X0, subs, attention=attention, save_states=True)
-    return spectra, jax.tree_util.tree_map(np.asarray, traj)
+    return systems, X0
+
+
+def dominant_real_systems(point, seeds, spec):
+    """Section 1: lambda1 ~ U(1, 3), lambda2 = lambda1 U(0.3, 0.85), the rest U(-0.3, 0.3) lambda2."""
+    c, d = point["chunk"], point["d"]
+    r = np.random.default_rng(spec.seed * 1000 + c)
+    specs = []
+    for _ in range(spec.replicates):
+        lam1 = r.uniform(1.0, 3.0)
+        lam2 = lam1 * r.uniform(0.3, 0.85)
+        specs.append([lam1, lam2] + list(r.uniform(-0.3, 0.3, d - 2) * lam2))
+    systems, X0 = _cone_systems(specs, point, spec.seed * 1000 + 10 * c, spec.seed + c)
+    return from_layers(systems, X0, seed=spec.seed + c)
+
+
+def complex_pair_systems(point, seeds, spec):
+    """Section 2: 1 + lambda1 = rho e^{i phi}, rho ~ U(2, 3), phi ~ U(0.1, 1.2), the rest U(-0.3, 0.3)."""
+    c, d = point["chunk"], point["d"]
+    r = np.random.default_rng(spec.seed * 2000 + c + (0 if point["kind"] == "normal" else 500))
+    specs = []
+    for _ in range(spec.replicates):
+        rho, phi = r.uniform(2.0, 3.0), r.uniform(0.1, 1.2)
+        specs.append([complex(rho * np.cos(phi) - 1.0, rho * np.sin(phi))] + list(r.uniform(-0.3, 0.3, d - 2)))
+    systems, X0 = _cone_systems(specs, point, spec.seed * 2000 + 10 * c, spec.seed + 7 * c)
+    return from_layers(systems, X0, seed=spec.seed + 7 * c)
+
+
+def close_eigenvalue_systems(point, seeds, spec):
+    """Section 3: eigenvalues 2, 2 - gap, 0.5 and the rest U(-0.3, 0.1); the direction rate is
+    measured toward v1 and the top2 rate into span(v1, v2), both from eigh of F."""
+    g, d = point["gap"], point["d"]
+    base = spec.seed * 3000 + int(1000 * g)
+    r = np.random.default_rng(base)
+    specs = [[2.0, 2.0 - g, 0.5] + list(r.uniform(-0.3, 0.1, d - 3)) for _ in range(spec.replicates)]
+    systems, X0 = _cone_systems(specs, point, base, spec.seed + int(1000 * g))
+    v1, v12, lam = [], [], []
+    for s in systems:
+        F = np.asarray(layer_matrices(s), float)[0]
+        w, V = np.linalg.eigh((F + F.T) / 2)
+        idx = np.argsort(-np.abs(1 + w))
+        v1.append(V[:, idx[:1]])
+        v12.append(V[:, idx[:2]])
+        lam.append([[w[i], 0.0] for i in idx[:3]])
+    return from_layers(systems, X0, seed=spec.seed + int(1000 * g), direction=np.stack(v1), top2=np.stack(v12),
+                       lam=np.array(lam))
+
+
+def bipartite_systems(point, seeds, spec):
+    """Section 4: lambda1 ~ U(1, 3), the rest U(-0.5, 0.5), symmetric; starts +-v1 + noise and
+    the exact +-v1 configuration (v1 from eigh of F), all from one stream per cell."""
+    H, beta, d, n = point["heads"], point["beta"], point["d"], point["tokens"]
+    r = np.random.default_rng(spec.seed * 4000 + 17 * H + int(10 * beta))
+    systems, v1s = [], []
+    for _ in range(spec.replicates):
+        lam1 = r.uniform(1.0, 3.0)
+        F = spectrum_matrix([lam1] + list(r.uniform(-0.5, 0.5, d - 1)), kind="symmetric", d=d, rng=r)
+        systems.append(synthetic_system(None, F=F, heads=H, beta=beta, seed=int(r.integers(1 << 30)),
+                                        steps=point["steps"], dtype=_dtype(point)))
+        w, V = np.linalg.eigh(F)
+        v1s.append(V[:, np.argmax(np.abs(1 + w))])
+    X0 = np.stack([bipartite_tokens(r, n, v, noise=point["noise"]) for v in v1s])
+    exact = np.stack([bipartite_tokens(r, n, v, noise=0.0) for v in v1s])
+    return from_layers(systems, X0, seed=spec.seed, v1=np.array(v1s), x0_exact=exact)
+
+
+dominant_real_systems.keys = {"chunk": 0}
+complex_pair_systems.keys = {"chunk": 0}
+close_eigenvalue_systems.keys = {"gap": 0.1}
 
 
 # --------------------------------------------------------------------------- section 1
 
 def section_dominant_real(ctx) -> SectionResult:
-    S = 8 if ctx.quick else 64
-    d, n, T = 16, 16, 250
-
-    def chunk(c):
-        r = np.random.default_rng(ctx.seed * 1000 + c)
-        specs = []
-        for _ in range(4):
-            lam1 = r.uniform(1.0, 3.0)
-            lam2 = lam1 * r.uniform(0.3, 0.85)
-            rest = r.uniform(-0.3, 0.3, d - 2) * lam2
-            specs.append([lam1, lam2] + list(rest))
-        systems = _systems(specs, kind="symmetric", heads=2, beta=1.0, d=d, seed=ctx.seed * 1000 + 10 * c, steps=T)
-        spectra, traj = _sweep_states(systems, n, ctx.seed + c)
-        P = traj.index("principal")
-        out = []
-        for i, sp in enumerate(spectra):
-            s = sp[0].shifted
-            states = np.asarray(traj.states[i], float)
-            mu = np.asarray(traj.consensus[i], float)
-            tan = _mean_direction_tan(states, s.basis)
-            out.append({"lambda1": s.top.real, "lambda2": s.eigenvalues[1].real,
-                        "pred_consensus_rate": 1.0 / s.mu1, "pred_direction_rate": s.ratio,
-                        "meas_consensus_rate": fit_rate(mu, 1e-11, 1e-4),
-                        "meas_direction_rate": fit_rate(tan, 1e-11, 1e-4),
-                        "final_gamma": float(np.asarray(traj.gamma[i, -1, P])),
-                        "consensus": mu.tolist() if (c == 0 and i == 0) else None})
-        return out
-
-    rows = []
-    with jax.enable_x64(True):
-        for c in ctx.progress(range(S // 4), "1 dominant real"):
-            rows += ctx.store.cached(f"s1_chunk{c}", lambda c=c: chunk(c))
+    grid = {"grid": {"chunk": [0, 1]}} if ctx.quick else {}
+    spec, df = run_section(ctx, "dominant_real", "1 dominant real", **grid)
+    d = spec.system["d"]
+    rows = [{"lambda1": r.lambda1_re, "lambda2": r.lambda2_re, "pred_consensus_rate": r.consensus_rate_pred,
+             "pred_direction_rate": r.direction_rate_pred, "meas_consensus_rate": _nan(r.consensus_rate),
+             "meas_direction_rate": _nan(r.direction_rate), "final_gamma": r.final_gamma,
+             "consensus": r.consensus if i == 0 else None} for i, r in enumerate(df.itertuples())]
     pc = np.array([r["pred_consensus_rate"] for r in rows])
     mc = np.array([np.nan if r["meas_consensus_rate"] is None else r["meas_consensus_rate"] for r in rows])
     pd = np.array([r["pred_direction_rate"] for r in rows])
@@ -138,52 +190,24 @@ def section_dominant_real(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 2
 
 def section_complex_pair(ctx) -> SectionResult:
-    S = 4 if ctx.quick else 32
-    d, n, T = 16, 16, 160
-
-    def chunk(c, kind):
-        r = np.random.default_rng(ctx.seed * 2000 + c + (0 if kind == "normal" else 500))
-        specs, phis = [], []
-        for _ in range(4):
-            rho, phi = r.uniform(2.0, 3.0), r.uniform(0.1, 1.2)
-            lam = complex(rho * np.cos(phi) - 1.0, rho * np.sin(phi))
-            rest = list(r.uniform(-0.3, 0.3, d - 2))
-            specs.append([lam] + rest)
-            phis.append(phi)
-        systems = _systems(specs, kind=kind, heads=2, beta=1.0, d=d, seed=ctx.seed * 2000 + 10 * c, steps=T)
-        spectra, traj = _sweep_states(systems, n, ctx.seed + 7 * c)
-        P = traj.index("principal")
-        out = []
-        K = 60
-        for i, sp in enumerate(spectra):
-            s = sp[0].shifted
-            rot = np.asarray(traj.rotation[i], float)
-            out.append({"kind": kind, "lambda1": [s.top.real, s.top.imag], "pred_rotation": float(np.angle(1 + s.top)),
-                        "meas_rotation": float(np.sum(rot[-K:]) / K), "plane_dim": s.dim,
-                        "final_gamma_plane": float(np.asarray(traj.gamma[i, -1, P])),
-                        "final_consensus": float(np.asarray(traj.consensus[i, -1])),
-                        "plane_states": (np.asarray(traj.states[i], float)[-40:, :8] @ s.basis).tolist()
-                        if (c == 0 and i == 0) else None})
-        return out
-
-    rows = []
-    with jax.enable_x64(True):
-        for kind in ("normal", "nonnormal"):
-            for c in ctx.progress(range(S // 4), f"2 complex pair ({kind})"):
-                rows += ctx.store.cached(f"s2_{kind}_chunk{c}", lambda c=c, kind=kind: chunk(c, kind))
+    grid = {"grid": {"kind": ["normal", "nonnormal"], "chunk": [0]}} if ctx.quick else {}
+    _, df = run_section(ctx, "complex_pair", "2 complex pair", **grid)
+    rows = [{"kind": r.kind, "lambda1": [r.lambda1_re, r.lambda1_im], "pred_rotation": r.rotation_pred,
+             "meas_rotation": r.rotation, "plane_dim": int(r.principal_dim), "final_gamma_plane": r.final_gamma,
+             "final_consensus": r.final_consensus,
+             "plane_angles": np.asarray(r.plane_angle)[-40:] if i == 0 else None} for i, r in enumerate(df.itertuples())]
     pred = np.array([r["pred_rotation"] for r in rows])
     meas = np.array([r["meas_rotation"] for r in rows])
     gp = np.array([r["final_gamma_plane"] for r in rows])
     cons = np.array([r["final_consensus"] for r in rows])
     normal = np.array([r["kind"] == "normal" for r in rows])
     err = np.abs(meas - pred)
-    coords = np.array(rows[0]["plane_states"])       # (40, 8, 2)
+    angles = rows[0]["plane_angles"]                 # (40, n): each token's angle in the plane
     figs = [
         plots.plot_scatter_predicted(pred, meas, ctx.fig("s2_rotation.png"), xlabel="predicted arg(1+λ1) [rad/step]",
                                      ylabel="measured rotation [rad/step]",
                                      title="Rotation per step in the principal plane"),
-        plots.plot_curve(np.arange(coords.shape[0]), {f"token {j}": np.arctan2(coords[:, j, 1], coords[:, j, 0])
-                                                      for j in range(min(4, coords.shape[1]))},
+        plots.plot_curve(np.arange(angles.shape[0]), {f"token {j}": angles[:, j] for j in range(min(4, angles.shape[1]))},
                          ctx.fig("s2_phase.png"), xlabel="step (last 40)", ylabel="angle in the plane [rad]",
                          title="Tokens rotate together (limit cycle in the plane)"),
     ]
@@ -194,7 +218,7 @@ def section_complex_pair(ctx) -> SectionResult:
     numbers = {"systems": len(rows), "max_abs_error_normal": float(np.max(err[normal])),
                "max_abs_error_nonnormal": float(np.max(err[~normal])), "min_gamma_plane": float(gp.min()),
                "max_final_consensus": float(cons.max()), "checks": checks,
-               "per_system": [{k: v for k, v in r.items() if k != "plane_states"} for r in rows]}
+               "per_system": [{k: v for k, v in r.items() if k != "plane_angles"} for r in rows]}
     table = Table("Rotation per step (first 8 systems)", ["kind", "λ1", "arg(1+λ1)", "measured", "γ plane"],
                   [[r["kind"], f"{r['lambda1'][0]:.3f}{r['lambda1'][1]:+.3f}j", r["pred_rotation"], r["meas_rotation"],
                     r["final_gamma_plane"]] for r in rows[:8]])
@@ -209,35 +233,13 @@ def section_complex_pair(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 3
 
 def section_close_eigenvalues(ctx) -> SectionResult:
-    d, n, T = 16, 16, 700
-    gaps = [0.2, 0.1, 0.05] if ctx.quick else [0.3, 0.25, 0.2, 0.15, 0.1, 0.075, 0.05, 0.03]
-
-    def chunk(g):
-        specs = []
-        r = np.random.default_rng(ctx.seed * 3000 + int(1000 * g))
-        for _ in range(2):
-            specs.append([2.0, 2.0 - g, 0.5] + list(r.uniform(-0.3, 0.1, d - 3)))
-        systems = _systems(specs, kind="symmetric", heads=2, beta=1.0, d=d, seed=ctx.seed * 3000 + int(1000 * g),
-                           steps=T)
-        spectra, traj = _sweep_states(systems, n, ctx.seed + int(1000 * g))
-        out = []
-        for i, sp in enumerate(spectra):
-            F = np.asarray(layer_matrices(systems[i]), float)[0]
-            w, V = np.linalg.eigh((F + F.T) / 2)
-            idx = np.argsort(-np.abs(1 + w))
-            v1, v12 = V[:, idx[:1]], V[:, idx[:2]]
-            mu = np.abs(1 + w[idx])
-            states = np.asarray(traj.states[i], float)
-            t1, t12 = _mean_direction_tan(states, v1), _mean_direction_tan(states, v12)
-            out.append({"gap": g, "pred_slow": mu[1] / mu[0], "pred_fast": mu[2] / mu[0],
-                        "meas_slow": fit_rate(t1, 1e-11, 5e-2), "meas_fast": fit_rate(t12, 1e-11, 1e-6),
-                        "tan_v1": t1.tolist() if i == 0 else None, "tan_plane": t12.tolist() if i == 0 else None})
-        return out
-
-    rows = []
-    with jax.enable_x64(True):
-        for g in ctx.progress(gaps, "3 close eigenvalues"):
-            rows += ctx.store.cached(f"s3_gap{g}", lambda g=g: chunk(g))
+    grid = {"grid": {"gap": [0.2, 0.1, 0.05]}} if ctx.quick else {}
+    _, df = run_section(ctx, "close_eigenvalues", "3 close eigenvalues", **grid)
+    gaps = list(dict.fromkeys(df["gap"].tolist()))
+    rows = [{"gap": r.gap, "pred_slow": r.direction_rate_pred, "pred_fast": r.top2_rate_pred,
+             "meas_slow": _nan(r.direction_rate), "meas_fast": _nan(r.top2_rate),
+             "tan_v1": r.direction_tan if r.replicate == 0 else None,
+             "tan_plane": r.top2_tan if r.replicate == 0 else None} for r in df.itertuples()]
     nan = lambda v: np.nan if v is None else v
     ps, ms = np.array([r["pred_slow"] for r in rows]), np.array([nan(r["meas_slow"]) for r in rows])
     pf, mf = np.array([r["pred_fast"] for r in rows]), np.array([nan(r["meas_fast"]) for r in rows])
@@ -267,42 +269,13 @@ def section_close_eigenvalues(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 4
 
 def section_bipartite(ctx) -> SectionResult:
-    d, n, T = 8, 8, 60
-    heads_list = [1, 2, 4, 8]
-    betas = [0.5, 1.0, 2.0, 4.0]
-    per_cell = 16 if ctx.quick else 128
-
-    def cell(H, beta):
-        r = np.random.default_rng(ctx.seed * 4000 + 17 * H + int(10 * beta))
-        systems, v1s = [], []
-        for i in range(per_cell):
-            lam1 = r.uniform(1.0, 3.0)
-            spec = [lam1] + list(r.uniform(-0.5, 0.5, d - 1))
-            F = spectrum_matrix(spec, kind="symmetric", d=d, rng=r)
-            systems.append(synthetic_system(None, F=F, heads=H, beta=beta, seed=int(r.integers(1 << 30)), steps=T))
-            w, V = np.linalg.eigh(F)
-            v1s.append(V[:, np.argmax(np.abs(1 + w))])
-        spectra, subs = sweep_subspaces(systems, seed=ctx.seed)
-        stacked = stack_systems(systems)
-        X0 = np.stack([bipartite_tokens(r, n, v, noise=0.02) for v in v1s])
-        exact = np.stack([bipartite_tokens(r, n, v, noise=0.0) for v in v1s])
-        V1 = np.array(v1s)
-        traj = simulate_sweep(stacked, X0, subs, save_states=True)
-        one = simulate_sweep(stacked, exact, subs, save_states=True)
-        final = np.asarray(traj.final, float)
-        cos = np.einsum("snd,sd->sn", final / np.linalg.norm(final, axis=-1, keepdims=True), V1)
-        stays = np.all(np.abs(cos) > 0.95, axis=1) & np.any(cos > 0, axis=1) & np.any(cos < 0, axis=1)
-        # one step from the exact +-v1 configuration: distance of each token from the line of v1
-        x1 = np.asarray(one.states, float)[:, 1]
-        x1 = x1 / np.linalg.norm(x1, axis=-1, keepdims=True)
-        off_line = np.max(np.sqrt(np.maximum(1 - np.einsum("snd,sd->sn", x1, V1) ** 2, 0)), axis=-1)
-        return {"heads": H, "beta": beta, "systems": per_cell, "fraction_bipartite": float(stays.mean()),
-                "median_off_line": float(np.median(off_line))}
-
-    cells = []
-    grid = [(H, b) for H in heads_list for b in betas]
-    for H, b in ctx.progress(grid, "4 bipartite"):
-        cells.append(ctx.store.cached(f"s4_H{H}_b{b}", lambda H=H, b=b: cell(H, b)))
+    _, df = run_section(ctx, "bipartite", "4 bipartite", **({"system": {"replicates": 16}} if ctx.quick else {}))
+    heads_list = sorted(set(df["heads"].tolist()))
+    betas = sorted(set(df["beta"].tolist()))
+    cells = [{"heads": int(sub["heads"].iloc[0]), "beta": float(sub["beta"].iloc[0]), "systems": int(len(sub)),
+              "fraction_bipartite": float(sub["bipartite_final"].astype(float).mean()),
+              "median_off_line": float(np.median(sub["bipartite_drift"].to_numpy(float)))}
+             for _, sub in df.groupby("point", sort=True)]
     frac = {H: np.array([c["fraction_bipartite"] for c in cells if c["heads"] == H]) for H in heads_list}
     res = {H: np.array([c["median_off_line"] for c in cells if c["heads"] == H]) for H in heads_list}
     total = sum(c["systems"] for c in cells)

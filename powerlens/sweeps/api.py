@@ -1,0 +1,107 @@
+"""``sweep(spec, out)`` and ``load_sweep(out)``: a sweep as a pandas DataFrame.
+
+    df = pl.sweep("my_first_sweep.toml", out="runs/first")   # resumable folder
+    df = pl.sweep({"grid": {"heads": [1, 2]}, ...})           # in memory, nothing written
+    df = pl.load_sweep("runs/first")
+
+The output folder (``out``) holds, once the sweep has finished::
+
+    results.parquet, results.csv   one row per system (series columns: parquet only)
+    sweep.json                     spec, versions, devices, processes, timing
+    figures/*.png, report.html     see :mod:`powerlens.sweeps.report`
+    .chunks/*.json                 the finished chunks (kept: a finished sweep reloads at once)
+
+With several processes (:mod:`powerlens.sweeps.distributed`) every process calls
+``sweep`` with the same spec and folder: process 0 checks, locks and marks the folder,
+the others wait for it; each computes its chunks; process 0 merges and writes after a
+barrier and returns the table (the others return None).
+"""
+from __future__ import annotations
+
+import contextlib
+import io as _bytes
+import os
+import time
+from typing import Optional
+
+import jax
+
+from .. import io
+from . import report
+from .engine import SweepResult, barrier, run_sweep
+from .spec import Spec, load_spec
+from .store import ChunkFolder, MemoryStore, check_folder, prepare_folder
+
+RESULTS = "results.parquet"
+
+
+def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Optional[str] = None,
+          progress: bool = True, report_files: bool = True, mode: str = "local"):
+    """Run (or resume) a sweep and return its table (a pandas DataFrame; None on processes > 0).
+
+    Args:
+      spec: a TOML path, a dict of tables, or a :class:`~powerlens.sweeps.spec.Spec`.
+      out: the output folder (None: run in memory, write nothing).
+      overwrite: replace a folder written with another spec or not by powerlens.
+      plot: the heatmap ``MEASURE:X:Y`` (default final_gamma over the first two grid axes).
+      progress: show a progress bar (systems per second).
+      report_files: write figures and report.html (results and sweep.json always).
+      mode: ``"local"`` (each process runs its own chunks) or ``"global"`` (every chunk is
+        sharded over all processes' devices).
+    """
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    report.parse_plot(plot, spec)
+    if out is None:
+        return run_sweep(spec, MemoryStore(), mode=mode, progress=progress).table
+    target = io.check_out_path(out)
+    spec_dict = spec.to_dict()
+    rank = jax.process_index()
+    t0 = time.time()
+    with io.folder_lock(target) if rank == 0 else contextlib.nullcontext():
+        if rank == 0:                         # the others look only once process 0 has marked the folder
+            action = check_folder(target, spec_dict, overwrite)
+            if action != "resume":
+                prepare_folder(target, spec_dict, action)
+        barrier("powerlens-sweep-start")
+        if rank != 0:
+            check_folder(target, spec_dict, overwrite=False)
+        result = run_sweep(spec, ChunkFolder(target), mode=mode, progress=progress)
+        if rank == 0:
+            write_outputs(target, spec, result, plot=plot, report_files=report_files, started=t0)
+    return result.table
+
+
+def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, report_files=True,
+                  started: float = None) -> list:
+    """results.parquet, results.csv, sweep.json (and the figures and report.html)."""
+    df = result.table
+    buf = _bytes.BytesIO()
+    df.to_parquet(buf, index=False, engine="pyarrow")
+    written = [io.write_bytes(os.path.join(target, RESULTS), buf.getvalue())]
+    flat = df.drop(columns=[c for c in spec.measure["series"] if c in df])
+    written.append(io.write_text(os.path.join(target, "results.csv"), flat.to_csv(index=False)))
+    info = {"spec": spec.to_dict(), "versions": io.versions(), "devices": result.devices,
+            "processes": result.processes, "systems": int(len(df)), "chunks": result.chunks,
+            "chunks_computed": result.computed, "chunks_resumed": result.resumed, "groups": result.groups,
+            "timing": {"seconds": round(time.time() - (started or time.time()), 3),
+                       "compute_seconds": round(result.compute_seconds, 3),
+                       "systems_computed": result.systems_computed,
+                       "systems_per_second": (round(result.systems_computed / result.compute_seconds, 2)
+                                              if result.compute_seconds > 0 else None)}}
+    if report_files:
+        figures = report.write_figures(target, df, spec, plot)
+        written += [os.path.join(target, f) for f in figures]
+        info["figures"] = figures
+        written.append(io.write_text(os.path.join(target, "report.html"),
+                                     report.render_html(target, df, spec, info, figures)))
+    written.append(io.write_json(os.path.join(target, "sweep.json"), info))
+    return written
+
+
+def load_sweep(out: str):
+    """The table of a finished sweep folder (results.parquet) as a pandas DataFrame."""
+    import pandas as pd
+    path = os.path.join(os.fspath(out), RESULTS)
+    if not os.path.isfile(path):
+        raise ValueError(f"{out}: no {RESULTS} (not a finished powerlens sweep folder)")
+    return pd.read_parquet(path, engine="pyarrow")

@@ -1,0 +1,177 @@
+"""Many processes, one sweep: JAX's own multi-controller runtime (``jax.distributed``).
+
+* :func:`initialize` starts this process's part: from an explicit coordinator
+  (``--coordinator HOST:PORT --num-processes N --process-id I``) or from what
+  ``jax.distributed.initialize`` detects (Slurm, Open MPI, or ``JAX_COORDINATOR_ADDRESS``
+  with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``). Cross-process collectives on CPUs use
+  gloo (``jax_cpu_collectives_implementation``, the default since jax 0.5.1, set anyway).
+  A coordinator that cannot be reached is a ValueError naming its address within
+  ``timeout`` seconds (JAX itself would abort the process after its own timeout).
+* :func:`spawn` is ``--processes N``: it starts N local workers on 127.0.0.1 itself
+  (``python -m powerlens.cli sweep ... --process-id i``), watches them, and stops them all
+  when one fails (finished chunks are kept: the same command resumes).
+
+How the work is divided is the engine's business (:mod:`powerlens.sweeps.engine`):
+chunk j goes to process j mod N, each process writes its chunks into the shared folder,
+process 0 merges after a barrier.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+
+
+def use_gloo() -> None:
+    """Cross-process collectives on CPU devices through gloo (before any backend starts)."""
+    import jax
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, ValueError):  # pragma: no cover - a jax without the option: gloo is built in
+        pass
+
+
+def split_address(address: str):
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator {address!r}: expected HOST:PORT, e.g. 10.0.0.1:12345")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_coordinator(address: str, timeout: float) -> float:
+    """Connect to HOST:PORT until it answers; the seconds left of ``timeout``, or a
+    ValueError naming the address when it never does."""
+    host, port = split_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                return max(deadline - time.monotonic(), 1.0)
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"cannot reach the coordinator at {address} within {timeout:g} s "
+                                 f"(--init-timeout): is process 0 running there, and is the port open?") from None
+            time.sleep(0.1)
+
+
+def check_bindable(address: str) -> None:
+    """Process 0 serves the coordinator at ``address``: it must be this host's, and free."""
+    host, port = split_address(address)
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"--coordinator {address}: process 0 cannot serve it here ({exc.strerror}); "
+                         f"give an address of this host and a free port") from None
+
+
+def from_environment() -> Optional[dict]:
+    """The distributed settings the environment gives (None for a single process)."""
+    env = os.environ
+    if env.get(ENV_ADDRESS):
+        count, pid = env.get(ENV_COUNT), env.get(ENV_ID)
+        if count is None or pid is None:
+            raise ValueError(f"{ENV_ADDRESS} is set: set {ENV_COUNT} and {ENV_ID} too")
+        return {"coordinator": env[ENV_ADDRESS], "num_processes": int(count), "process_id": int(pid)}
+    for count in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if int(env.get(count, "1") or 1) > 1:
+            return {}                           # jax.distributed.initialize detects the rest
+    return None
+
+
+def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, *, timeout: float = 60.0) -> bool:
+    """Start this process's part of a multi-process sweep; False if there is only one process."""
+    import jax
+    explicit = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    given = [k for k, v in explicit.items() if v is not None]
+    if given and len(given) < 3:
+        missing = [k for k in explicit if k not in given]
+        raise ValueError(f"{', '.join(given)} needs {' and '.join(missing)} too")
+    settings = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id} \
+        if given else from_environment()
+    if settings is None:
+        return False
+    if timeout <= 0:
+        raise ValueError(f"--init-timeout must be positive, got {timeout}")
+    use_gloo()
+    if not settings:                            # Slurm / Open MPI: one process per host sees all its devices
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+        kw = {"local_device_ids": []} if per_node == "1" else {}
+        jax.distributed.initialize(initialization_timeout=int(timeout), **kw)
+        return True
+    n, i, address = int(settings["num_processes"]), int(settings["process_id"]), settings["coordinator"]
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"--process-id {i} must lie in [0, --num-processes {n})")
+    if n == 1:
+        return False
+    if i == 0:
+        check_bindable(address)
+        left = timeout
+    else:
+        left = wait_for_coordinator(address, timeout)
+    jax.distributed.initialize(address, n, i, initialization_timeout=max(int(left), 1))
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: Sequence[str], n: int, *, quiet_others: bool = True) -> int:
+    """``--processes N``: run ``powerlens sweep ARGV`` as N local workers; their exit status.
+
+    Worker 0 serves the coordinator on a free 127.0.0.1 port. When a worker fails the
+    others are stopped and the first failure's status returned.
+    """
+    port = free_port()
+    procs: List[subprocess.Popen] = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "powerlens.cli", "sweep", *argv, "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", str(n), "--process-id", str(i)]
+        if quiet_others and i > 0:
+            cmd.append("--quiet")
+        procs.append(subprocess.Popen(cmd))
+    print(f"powerlens sweep: {n} workers on 127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in procs)}",
+          flush=True)
+    failed = None
+    try:
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            time.sleep(0.1)
+        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    except KeyboardInterrupt:
+        failed = -1
+    if failed is not None:
+        _stop(procs)
+        if failed >= 0:
+            code = procs[failed].returncode
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            print(f"powerlens sweep: worker {failed} {how}; the others were stopped. Finished chunks are kept: "
+                  f"run the same command again to resume", file=sys.stderr, flush=True)
+            return code if code > 0 else 1
+        return 130
+    return 0
+
+
+def _stop(procs: List[subprocess.Popen]) -> None:
+    """Stop the workers still running (by pid, the ones this launcher started)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,76 @@
+"""What the compiled program measures for one system: one call of :func:`powerlens.run`.
+
+``measure(systems, static)`` runs the system's schedule from x0 with the observers
+``alignment``, ``consensus``, ``final`` and the sweep's own per-state observers below,
+and returns the raw per-system outputs that :mod:`powerlens.sweeps.columns` reduces to
+one row (T steps, n tokens, d width)::
+
+    consensus      "float[T+1]"   mu(X_t)
+    gamma, rho     "float[T]"     against the principal reference
+    rotation       "float[T]"     angle step in the principal plane (NaN unless a complex pair)
+    direction_tan  "float[T+1]"   tan of the angle between the token mean and the shifted
+                                  principal subspace
+    top2_tan       "float[T+1]"   the same for the principal + next eigenvalue group (if given)
+    final          "float[n d]"   x_T
+    exact_step     "float[n d]"   one step from the exact bipartite start (if given)
+    plane_angle    "float[T+1 n]" each token's angle in the principal plane (series only)
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import jax
+import jax.numpy as jnp
+
+from ..dynamics.observers import Observer, alignment, consensus, final
+from ..dynamics.run import run
+from .systems import Static, Systems
+
+
+def per_state(fn: Callable) -> Observer:
+    """An observer of ``fn(X, valid)`` on every state x_0 .. x_T (outputs stacked: T+1 first)."""
+    return Observer(init=lambda x0, valid, layers: fn(x0, valid),
+                    update=lambda first, X, Y, step: (first, fn(Y, step.valid)),
+                    finish=lambda first, outs: jnp.concatenate([first[None], outs]))
+
+
+def mean_tangent(basis: "float[d k]") -> Callable:
+    """tan of the angle between the valid tokens' mean and span(basis) (orthonormal, zero-padded)."""
+    def tan(X, valid):
+        w = valid.astype(X.dtype)
+        m = jnp.sum(X * w[:, None], axis=0) / jnp.maximum(jnp.sum(w), 1.0)
+        c = m @ basis
+        perp = jnp.linalg.norm(m - basis @ c)
+        return perp / jnp.maximum(jnp.linalg.norm(c), jnp.finfo(X.dtype).tiny)
+    return tan
+
+
+def plane_angle(basis: "float[d k]") -> Callable:
+    """Each token's angle "float[n]" in the plane of the first two columns of ``basis``."""
+    return lambda X, valid: jnp.arctan2(X @ basis[:, 1], X @ basis[:, 0])
+
+
+def measure(sy: Systems, st: Static) -> Dict[str, jax.Array]:
+    """The raw outputs of one system (module docstring); the spectral facts of ``sy`` that
+    are set (lam, dim, v1) pass through."""
+    keep_bias = st.keep_bias or None
+    obs = {"alignment": alignment(sy.subspaces), "consensus": consensus(), "final": final(),
+           "direction_tan": per_state(mean_tangent(sy.direction))}
+    if sy.top2 is not None:
+        obs["top2_tan"] = per_state(mean_tangent(sy.top2))
+    principal = sy.subspaces.index("principal")
+    if "plane_angle" in st.series and sy.subspaces.basis.shape[-1] >= 2:
+        obs["plane_angle"] = per_state(plane_angle(sy.subspaces.basis[0, principal]))
+    out = run(sy.layers, sy.x0, sy.valid, rule=st.rule, attention=st.attention, keep_bias=keep_bias,
+              observers=obs)
+    a = out.pop("alignment")
+    raw = {"consensus": out.pop("consensus").consensus, "gamma": a.gamma[:, principal],
+           "rho": a.rho[:, principal], "rotation": a.rotation, **out, "valid": sy.valid}
+    if sy.x0_exact is not None:
+        one = run(sy.layers, sy.x0_exact, sy.valid, rule=st.rule, attention=st.attention, keep_bias=keep_bias,
+                  observers={"final": final()}, schedule=jnp.zeros((1,), jnp.int32))
+        raw["exact_step"] = one["final"]
+    for name in ("lam", "dim", "v1"):
+        if getattr(sy, name) is not None:
+            raw[name] = getattr(sy, name)
+    return raw

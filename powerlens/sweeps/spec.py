@@ -1,0 +1,440 @@
+"""The sweep spec: one TOML file, read, validated and filled with defaults.
+
+    name = "consensus-vs-heads"          # top level: name, seed
+    seed = 0
+    [grid]     any [system] or [run] key as a list: every combination is one point
+    [system]   the synthetic system of every point (d, tokens, heads, beta, kind, spectrum,
+               top, rest, imag, pair, nonnormality, init, cone, noise, replicates, builder)
+    [run]      the dynamics (steps, attention, rule, order, keep_bias, x64) and how it runs:
+               chunk_size (0: from a memory estimate), micro_batch ("auto", "all" or a count)
+    [measure]  how the measured columns are taken (fit windows, rotation_steps, thresholds,
+               series)
+    [model]    instead of a synthetic system: name, layers ("all" or a list), prompts
+
+Every error is a one-line ``ValueError`` naming the file, the table and the key:
+malformed TOML, an unknown table or key, a list where a scalar is needed, a negative
+count, heads that do not divide d, an empty grid, a grid larger than
+:data:`MAX_POINTS` points, an unknown model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from ..analysis.spectra import ORDERS
+from ..dynamics.attention import ATTENTION_MODES
+from ..dynamics.layer import RULES
+from ..dynamics.synthetic import KINDS, parse_spectrum
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+MAX_POINTS = 10_000_000
+INITS = ("sphere", "cone", "bipartite")
+SERIES = ("consensus", "gamma", "rotation", "direction_tan", "top2_tan", "plane_angle")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One key of the schema: ``check(value, where) -> value`` validates one (scalar) value."""
+
+    default: Any
+    check: Callable[[Any, str], Any]
+    griddable: bool = True
+
+
+def _fail(where: str, msg: str):
+    raise ValueError(f"{where}: {msg}")
+
+
+def _scalar(v, where):
+    if isinstance(v, (list, dict)):
+        _fail(where, f"{json.dumps(v)} is a list where a scalar is needed (a list of values belongs in [grid])")
+    return v
+
+
+def count(minimum: int = 1, default: int = 1, griddable: bool = True) -> Key:
+    def check(v, where):
+        _scalar(v, where)
+        if isinstance(v, bool) or not isinstance(v, int):
+            _fail(where, f"must be an integer, got {v!r}")
+        if v < minimum:
+            word = "negative" if v < 0 else "too small"
+            _fail(where, f"{word} count {v}: must be an integer >= {minimum}")
+        return int(v)
+    return Key(default, check, griddable)
+
+
+def real(default: float, lo: float = -math.inf, hi: float = math.inf) -> Key:
+    def check(v, where):
+        _scalar(v, where)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            _fail(where, f"must be a finite number, got {v!r}")
+        if not lo <= v <= hi:
+            _fail(where, f"must lie in [{lo}, {hi}], got {v!r}")
+        return float(v)
+    return Key(default, check)
+
+
+def choice(options, default) -> Key:
+    def check(v, where):
+        _scalar(v, where)
+        if v not in options:
+            _fail(where, f"unknown value {v!r}; expected one of {', '.join(map(str, options))}")
+        return v
+    return Key(default, check)
+
+
+def flag(default: bool) -> Key:
+    def check(v, where):
+        _scalar(v, where)
+        if not isinstance(v, bool):
+            _fail(where, f"must be true or false, got {v!r}")
+        return v
+    return Key(default, check)
+
+
+def interval(default) -> Key:
+    """A range [lo, hi] of two numbers (one value, not a grid axis)."""
+    def check(v, where):
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                             and math.isfinite(x) for x in v)) or v[0] > v[1]:
+            _fail(where, f"must be a range [lo, hi] of two finite numbers with lo <= hi, got {json.dumps(v)}")
+        return [float(v[0]), float(v[1])]
+    return Key(default, check)
+
+
+def window(default="auto") -> Key:
+    """``"auto"`` or a range (lo, hi) with 0 < lo < hi: the values a rate is fitted over."""
+    rng = interval(None).check
+
+    def check(v, where):
+        if v == "auto":
+            return v
+        lo, hi = rng(v, where)
+        if not 0 < lo < hi:
+            _fail(where, f"must be \"auto\" or [lo, hi] with 0 < lo < hi, got {json.dumps(v)}")
+        return [lo, hi]
+    return Key(default, check, griddable=False)
+
+
+def batch(default="auto") -> Key:
+    """Systems per vmap step on a device: ``"auto"`` (8 on a CPU, all on an accelerator),
+    ``"all"`` or a positive integer. It is part of the spec because XLA's rounding can depend
+    on the vector width: with a fixed width the numbers do not depend on the chunking."""
+    def check(v, where):
+        if v in ("auto", "all"):
+            return v
+        return count(1, 1).check(v, where)
+    return Key(default, check, griddable=False)
+
+
+def text(default, griddable=True) -> Key:
+    def check(v, where):
+        _scalar(v, where)
+        if not isinstance(v, str) or not v.strip():
+            _fail(where, f"must be a non-empty string, got {v!r}")
+        return v
+    return Key(default, check, griddable)
+
+
+def spectrum() -> Key:
+    def check(v, where):
+        text(None).check(v, where)
+        if v != "random":
+            try:
+                parse_spectrum(v)
+            except ValueError as exc:
+                _fail(where, str(exc))
+        return v
+    return Key("random", check)
+
+
+def names(options=None, default=(), nonempty=False) -> Key:
+    def check(v, where):
+        if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
+            _fail(where, f"must be a list of non-empty strings, got {json.dumps(v)}")
+        if nonempty and not v:
+            _fail(where, "must not be empty")
+        bad = [x for x in v if options is not None and x not in options]
+        if bad:
+            _fail(where, f"unknown name(s) {bad}; expected some of {', '.join(options)}")
+        return list(v)
+    return Key(list(default), check, griddable=False)
+
+
+def layer_list() -> Key:
+    def check(v, where):
+        if v == "all":
+            return v
+        if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            _fail(where, f"must be \"all\" or a non-empty list of layer indices, got {json.dumps(v)}")
+        return list(v)
+    return Key("all", check, griddable=False)
+
+
+SCHEMA: Dict[str, Dict[str, Key]] = {
+    "": {"name": text("sweep", griddable=False), "seed": count(0, 0, griddable=False)},
+    "system": {
+        "d": count(1, 16), "tokens": count(1, 16), "heads": count(1, 1), "beta": real(1.0),
+        "kind": choice(KINDS, "symmetric"), "spectrum": spectrum(),
+        "top": interval([1.0, 3.0]), "rest": interval([-0.8, 0.8]), "imag": interval([0.3, 1.5]),
+        "pair": real(0.0, 0.0, 1.0), "nonnormality": real(1.0, 0.0),
+        "init": choice(INITS, "sphere"), "cone": real(0.5, 0.0, math.pi), "noise": real(0.02, 0.0),
+        "replicates": count(1, 1, griddable=False), "builder": text("synthetic", griddable=False),
+    },
+    "run": {
+        "steps": count(1, 100), "attention": choice(ATTENTION_MODES, "softmax"), "rule": choice(RULES, "paper"),
+        "order": choice(ORDERS, "shifted"), "keep_bias": flag(False), "x64": flag(False),
+        "chunk_size": count(0, 0, griddable=False), "micro_batch": batch(),
+    },
+    "measure": {
+        "consensus_window": window(), "direction_window": window(), "top2_window": window(),
+        "rotation_steps": count(0, 0, griddable=False),
+        "converged_consensus": dataclasses.replace(real(1e-3, 0.0), griddable=False),
+        "converged_gamma": dataclasses.replace(real(0.99, 0.0, 1.0), griddable=False),
+        "bipartite_cos": dataclasses.replace(real(0.95, 0.0, 1.0), griddable=False),
+        "series": names(SERIES),
+    },
+    "model": {"name": text(None, griddable=False), "layers": layer_list(),
+              "prompts": names(nonempty=True)},
+}
+TABLES = ("grid", "system", "run", "measure", "model")
+SYNTHETIC_ONLY = tuple(k for k in SCHEMA["system"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A validated sweep spec with every default filled in.
+
+    Attributes:
+      name, seed: the top-level keys.
+      grid: ``{key: [values]}`` in the file's order (the last key varies fastest).
+      system, run, measure: ``{key: value}`` of the fixed keys (grid keys removed).
+      model: the ``[model]`` table (a model sweep) or None (a synthetic sweep).
+      source: the file the spec came from (for messages), or ``"<dict>"``.
+    """
+
+    name: str
+    seed: int
+    grid: Dict[str, list]
+    system: Dict[str, Any]
+    run: Dict[str, Any]
+    measure: Dict[str, Any]
+    model: Optional[Dict[str, Any]] = None
+    source: str = "<dict>"
+
+    def value(self, key: str):
+        """The fixed value of a [system] or [run] key (KeyError for a grid key)."""
+        for table in (self.system, self.run):
+            if key in table:
+                return table[key]
+        raise KeyError(key)
+
+    @property
+    def replicates(self) -> int:
+        return len(self.model["prompts"]) if self.model else int(self.system["replicates"])
+
+    @property
+    def n_points(self) -> int:
+        return math.prod(len(v) for v in self.grid.values()) * (len(self.model["layers"]) if self.model else 1)
+
+    @property
+    def n_systems(self) -> int:
+        return self.n_points * self.replicates
+
+    def to_dict(self) -> dict:
+        """The normalised spec (what the output folder's marker and sweep.json record)."""
+        out = {"name": self.name, "seed": self.seed, "grid": dict(self.grid), "system": dict(self.system),
+               "run": dict(self.run), "measure": dict(self.measure)}
+        if self.model is not None:
+            out["model"] = dict(self.model)
+        return out
+
+
+def flatten(doc: Mapping, prefix: str = "") -> Dict[str, Any]:
+    """``{"system": {"d": 8}}`` -> ``{"system.d": 8}``."""
+    out = {}
+    for k, v in doc.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(a: Mapping, b: Mapping) -> List[str]:
+    """The dotted keys whose values differ between two normalised specs (``to_dict``)."""
+    fa, fb = flatten(a), flatten(b)
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k, None) != fb.get(k, None))
+
+
+def read_toml(path: str) -> dict:
+    """The raw table of a TOML file; a malformed file is one ValueError naming the file and line."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: malformed TOML: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the spec ({exc.strerror})") from None
+
+
+def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
+    """A :class:`Spec` from a TOML path, a raw dict or a Spec; ``overrides`` are merged into
+    the raw tables first (``{"system": {"replicates": 4}}``)."""
+    if isinstance(source, Spec):
+        raw, where = source.to_dict(), source.source
+    elif isinstance(source, Mapping):
+        raw, where = json.loads(json.dumps(source)), "<dict>"
+    else:
+        where = os.fspath(source)
+        raw = read_toml(where)
+    for table, values in (overrides or {}).items():
+        if isinstance(values, Mapping):
+            raw.setdefault(table, {}).update(values)
+        else:
+            raw[table] = values
+    return parse(raw, where)
+
+
+def parse(raw: Mapping, source: str = "<dict>") -> Spec:
+    """Validate a raw spec table (see the module docstring for the rules)."""
+    where = lambda table, key=None: f"{source}: [{table}]" + ("" if key is None else f" {key}") if table else \
+        f"{source}: {key}"
+    top = {}
+    for key, value in raw.items():
+        if key in TABLES:
+            if not isinstance(value, Mapping):
+                _fail(f"{source}: [{key}]", "must be a table")
+            continue
+        if isinstance(value, Mapping):
+            _fail(f"{source}: [{key}]", f"unknown table; expected some of {', '.join('[' + t + ']' for t in TABLES)}")
+        if key not in SCHEMA[""]:
+            _fail(f"{source}: {key}", f"unknown key; expected name, seed or the tables {', '.join(TABLES)}")
+        top[key] = SCHEMA[""][key].check(value, where("", key))
+    model = raw.get("model")
+    schema = {**SCHEMA, "system": {**SCHEMA["system"], **builder_keys(raw.get("system", {}), where)}}
+    tables = {}
+    for table in ("system", "run", "measure", "model"):
+        given = dict(raw.get(table, {}))
+        if table == "model" and model is None:
+            continue
+        if table == "system" and model is not None and given:
+            _fail(where("system", next(iter(given))), "does not apply to a model sweep (the model fixes the system)")
+        out = {}
+        for key, value in given.items():
+            if key not in schema[table]:
+                _fail(where(table, key), f"unknown key; expected one of {', '.join(schema[table])}")
+            out[key] = schema[table][key].check(value, where(table, key))
+        for key, k in schema[table].items():
+            if key not in out:
+                if k.default is None:
+                    _fail(where(table, key), "is required")
+                out[key] = k.default
+        tables[table] = out
+    grid = _grid(raw.get("grid", {}), tables, model is not None, where, schema)
+    system = tables.get("system", {}) if model is None else {}
+    spec = Spec(name=top.get("name", "sweep"), seed=top.get("seed", 0), grid=grid, system=system,
+                run=tables["run"], measure=tables["measure"], model=tables.get("model"), source=source)
+    _check_points(spec, where)
+    return spec
+
+
+def builder_keys(system: Mapping, where) -> Dict[str, Key]:
+    """The extra [system]/[grid] keys a custom builder reads: its ``keys`` attribute
+    ``{name: default}`` (scalars of the default's type)."""
+    name = system.get("builder", "synthetic")
+    if not isinstance(name, str) or name == "synthetic":
+        return {}
+    if ":" not in name:
+        _fail(where("system", "builder"), f"must be \"synthetic\" or \"module:function\", got {name!r}")
+    from .systems import host_builder
+    try:
+        fn = host_builder(name)
+    except ValueError as exc:
+        _fail(where("system", "builder"), str(exc).split(": ", 1)[-1])
+    out = {}
+    for key, default in getattr(fn, "keys", {}).items():
+        if any(key in t for t in SCHEMA.values()):
+            _fail(where("system", "builder"), f"{name} declares the key {key!r}, which the spec already has")
+        kind = float if isinstance(default, float) else type(default)
+
+        def check(v, w, kind=kind):
+            _scalar(v, w)
+            if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float) if kind is float else kind):
+                _fail(w, f"must be of type {kind.__name__}, got {v!r}")
+            return kind(v)
+        out[key] = Key(default, check)
+    return out
+
+
+def _grid(raw_grid: Mapping, tables: dict, is_model: bool, where, schema=SCHEMA) -> Dict[str, list]:
+    """Move every grid key out of its table; each grid value is checked like a fixed one."""
+    owner = {key: table for table in ("system", "run") for key in schema[table]}
+    grid = {}
+    for key, values in raw_grid.items():
+        if key not in owner or (is_model and owner[key] == "system"):
+            allowed = [k for k, t in owner.items() if schema[t][k].griddable and not (is_model and t == "system")]
+            _fail(where("grid", key), f"unknown grid key; expected some of {', '.join(allowed)}")
+        table = owner[key]
+        k = schema[table][key]
+        if not k.griddable:
+            _fail(where("grid", key), f"cannot be a grid key; give it once in [{table}]")
+        if not isinstance(values, list):
+            _fail(where("grid", key), f"must be a list of values, got {json.dumps(values)}")
+        if not values:
+            _fail(where("grid", key), "has no values: an empty grid")
+        if isinstance(k.default, list) and not all(isinstance(v, list) for v in values):
+            _fail(where("grid", key), f"each value must be a range [lo, hi], got {json.dumps(values)}")
+        grid[key] = [k.check(v, where("grid", key)) for v in values]
+        if len({json.dumps(v) for v in grid[key]}) != len(grid[key]):
+            _fail(where("grid", key), f"repeats a value: {json.dumps(values)}")
+        tables[table].pop(key, None)
+    if not grid:
+        _fail(where("grid"), "is empty or missing: an empty grid (give at least one key with a list of values)")
+    return grid
+
+
+def _check_points(spec: Spec, where) -> None:
+    """Sizes, heads dividing d, explicit spectra fitting d, the model: before any point is expanded."""
+    n = spec.n_points
+    if n > MAX_POINTS:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items())
+        _fail(where("grid"), f"has {n:,} points ({sizes}); at most {MAX_POINTS:,} are allowed")
+    if spec.model is not None:
+        _check_model(spec, where)
+        return
+    values = lambda key: spec.grid.get(key, [spec.system.get(key)])
+    for d in values("d"):
+        for h in values("heads"):
+            if d % h:
+                _fail(where("grid" if "heads" in spec.grid or "d" in spec.grid else "system", "heads"),
+                      f"heads={h} does not divide d={d}")
+        for s in values("spectrum"):
+            if s != "random":
+                need = sum(2 if z.imag else 1 for z in parse_spectrum(s))
+                if need > d:
+                    _fail(where("system", "spectrum"), f"{s!r} needs d >= {need} (a complex entry counts twice), "
+                                                       f"got d={d}")
+    if spec.system["init"] == "bipartite" and "init" not in spec.grid and min(values("tokens")) < 2:
+        _fail(where("system", "tokens"), "a bipartite start needs at least 2 tokens")
+    if "symmetric" in values("kind"):
+        for s in values("spectrum"):
+            if s != "random" and any(z.imag for z in parse_spectrum(s)):
+                _fail(where("system", "spectrum"), f"{s!r} has a complex pair, but kind = \"symmetric\" "
+                                                   f"needs a real spectrum (use normal or nonnormal)")
+
+
+def _check_model(spec: Spec, where) -> None:
+    from ..models.load import resolve
+    try:
+        resolve(spec.model["name"])
+    except ValueError as exc:
+        _fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")

@@ -1,0 +1,367 @@
+"""The systems of a sweep: what one row is computed from.
+
+A :class:`Systems` holds one shared-weight system, its initial tokens and everything its
+columns are measured against (a batch adds a leading axis S to every array). It comes
+from one of three builders:
+
+* ``synthetic`` (the default): built on the device, inside the compiled program, from
+  the system's seed alone (:func:`synthetic`): F = Q D Q^T (symmetric, normal) or
+  S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum, split over the
+  heads exactly as :func:`powerlens.dynamics.synthetic.synthetic_system` does, Gaussian
+  queries/keys of inverse temperature beta. The spectrum is known by construction, so the
+  principal subspaces are columns of Q (or S), never an ``eig``;
+* a model (``[model]``): each listed layer iterated as a shared-weight system over the
+  prompts (:func:`model_systems`, host side, ``layer_spectra`` for the subspaces);
+* ``builder = "module:function"``: any host function ``fn(point, seeds, spec) -> Systems``
+  for the R replicates of one point (``point`` maps every key to its value; see
+  :func:`from_layers` to make one from :class:`~powerlens.dynamics.params.Layers`).
+
+Eigenvalue groups follow :mod:`powerlens.analysis.spectra`: the principal group is every
+eigenvalue whose key (|1+lambda| shifted, |lambda| plain) is within 1e-4 of the largest;
+lambda_2 is the first eigenvalue after it, lambda_3 the first after lambda_2's group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from ..analysis.spectra import layer_spectra, reference_subspaces, sweep_subspaces
+from ..dynamics.params import LayerConfig, Layers, layer_matrices
+from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
+from ..dynamics.sweep import stack_systems
+from ..dynamics.synthetic import parse_spectrum
+
+GROUP_RTOL = 1e-4
+
+
+@struct.dataclass
+class Systems:
+    """One system (add a leading axis S for a batch).
+
+    Attributes:
+      layers: :class:`Layers` with one unique layer and the schedule ``(0,) * T``.
+      x0: "float[n d]" initial tokens; valid: "bool[n]".
+      subspaces: the references of the alignment measures ("float[1 m d k]"), principal in
+        the spec's ``order``.
+      direction: "float[d k1]" orthonormal basis of the shifted principal subspace
+        (zero-padded): the direction rate is the approach of the token mean to it.
+      top2: "float[d k2]" basis of the principal and the next eigenvalue group (the
+        ``top2`` rate), or None.
+      v1: "float[d]" the principal direction for the bipartite measures (zeros unless the
+        principal subspace is one real direction).
+      lam: "float[3 2]" (re, im) of lambda_1, lambda_2, lambda_3 in the shifted order (NaN
+        where there is none), Im >= 0.
+      dim: "int[]" dimension of the shifted principal group.
+      x0_exact: "float[n d]" the exact bipartite start (+-v1), or None.
+    """
+
+    layers: Layers
+    x0: jax.Array
+    valid: jax.Array
+    subspaces: Subspaces
+    direction: jax.Array
+    v1: jax.Array
+    lam: jax.Array
+    dim: jax.Array
+    top2: Optional[jax.Array] = None
+    x0_exact: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What one compiled program depends on: a group's static keys (hashable)."""
+
+    d: Optional[int]
+    tokens: Optional[int]
+    heads: Optional[int]
+    kind: Optional[str]
+    spectrum: Optional[str]
+    init: Optional[str]
+    steps: int
+    attention: str
+    rule: str
+    order: str
+    keep_bias: bool
+    x64: bool
+    series: Tuple[str, ...] = ()
+
+    @property
+    def dtype(self):
+        return jnp.float64 if self.x64 else jnp.float32
+
+
+# ------------------------------------------------------------------ synthetic, on the device
+
+def _orthonormal(A, keep, orthogonal: bool = False):
+    """Orthonormal basis "float[d k]" of the leading columns of A "float[d k]" that ``keep``
+    (a prefix mask); the others are zero. ``orthogonal``: A's columns already are."""
+    if not orthogonal:
+        Q, R = jnp.linalg.qr(A)
+        A = Q * jnp.sign(jnp.diag(R))
+    return A * keep
+
+
+def _groups(lam_re, lam_im, keys):
+    """Sorted slots, the principal group and the next one.
+
+    Returns (order "int[d]", dim1, dim2, lam "float[3 2]") for slot eigenvalues
+    lam_re + i lam_im with keys "float[d]"; lambda_2/3 are NaN when absent."""
+    d = keys.shape[0]
+    order = jnp.argsort(-keys, stable=True)
+    ks = keys[order]
+    in1 = ks >= ks[0] * (1 - GROUP_RTOL) - 1e-12
+    dim1 = jnp.sum(in1)
+    mu2 = ks[jnp.minimum(dim1, d - 1)]
+    in2 = (~in1) & (ks >= mu2 * (1 - GROUP_RTOL) - 1e-12)
+    dim2 = jnp.sum(in2)
+
+    def pick(pos):
+        i = order[jnp.minimum(pos, d - 1)]
+        ok = pos < d
+        return jnp.where(ok, jnp.stack([lam_re[i], jnp.abs(lam_im[i])]), jnp.nan)
+
+    lam = jnp.stack([pick(0), pick(dim1), pick(dim1 + dim2)])
+    return order, dim1, dim2, lam
+
+
+def _draws(key, shapes: Dict[str, Tuple[int, ...]], dt, sampler):
+    """One call of ``sampler`` for all the named shapes (a single PRNG kernel to compile), split."""
+    sizes = [int(np.prod(s)) for s in shapes.values()]
+    flat = sampler(key, (sum(sizes),), dt)
+    out, i = {}, 0
+    for (name, shape), size in zip(shapes.items(), sizes):
+        out[name] = flat[i:i + size].reshape(shape)
+        i += size
+    return out
+
+
+def _slots(u, p, st: Static, dt):
+    """The eigenvalue of every slot of D: (re, im, pair_start) "float[d]" x2, "bool[d]";
+    ``u`` "float[d+3]" uniform draws for a random spectrum."""
+    d = st.d
+    if st.spectrum != "random":
+        re, im, start = [], [], []
+        for z in parse_spectrum(st.spectrum):
+            if z.imag:
+                re += [z.real, z.real]
+                im += [abs(z.imag), -abs(z.imag)]
+                start += [True, False]
+            else:
+                re.append(z.real)
+                im.append(0.0)
+                start.append(False)
+        pad = d - len(re)
+        return (jnp.asarray(re + [0.0] * pad, dt), jnp.asarray(im + [0.0] * pad, dt),
+                jnp.asarray(start + [False] * pad))
+    lo_hi = lambda r, x: r[0] + (r[1] - r[0]) * x
+    top = lo_hi(p["top"], u[0])
+    rest = lo_hi(p["rest"], u[3:])
+    real_re = jnp.concatenate([top[None], rest[: d - 1]])
+    if st.kind == "symmetric" or d < 2:          # a symmetric F has no complex pair, whatever ``pair`` says
+        return real_re, jnp.zeros(d, dt), jnp.zeros(d, bool)
+    is_pair = u[1] < p["pair"]
+    b = lo_hi(p["imag"], u[2])
+    pair_re = jnp.concatenate([top[None], top[None], rest[: d - 2]])
+    pair_im = jnp.zeros(d, dt).at[0].set(b).at[1].set(-b)
+    first = jnp.zeros(d, bool).at[0].set(True)
+    return (jnp.where(is_pair, pair_re, real_re), jnp.where(is_pair, pair_im, 0.0), first & is_pair)
+
+
+def synthetic(seed, p: Dict[str, Any], st: Static) -> Systems:
+    """One synthetic system from its seed "int[]" and dynamic values ``p`` (beta, top, rest,
+    imag, pair, nonnormality, cone, noise; ranges "float[2]"). Pure: vmap and jit it."""
+    dt = st.dtype
+    d, H, n = st.d, st.heads, st.tokens
+    e = d // H
+    k1, k2 = min(d, 2), min(d, 4)
+    k_normal, k_uniform = jax.random.split(jax.random.key(seed))
+    z = _draws(k_normal, {"basis": (d, d), "value": (H * e, d), "qk": (2, H, e, d), "random": (d, k1),
+                          "axis": (d,), "tokens": (n, d)}, dt, jax.random.normal)
+    u = _draws(k_uniform, {"spectrum": (d + 3,), "angle": (n, 1)}, dt, jax.random.uniform)
+    re, im, start = _slots(u["spectrum"], p, st, dt)
+    sup = jnp.where(start[:-1], jnp.abs(im[:-1]), 0.0)
+    D = jnp.diag(re) + jnp.diag(sup, 1) - jnp.diag(sup, -1)
+    if st.kind == "nonnormal":
+        E = jnp.eye(d, dtype=dt) + p["nonnormality"] * z["basis"] / np.sqrt(d)
+        F = jnp.linalg.solve(E.T, (E @ D).T).T                     # S D S^-1
+    else:
+        Q, R = jnp.linalg.qr(z["basis"])
+        E = Q * jnp.sign(jnp.diag(R))
+        F = E @ D @ E.T
+    V = z["value"] / np.sqrt(d)
+    W_o = jnp.linalg.solve(V.T, F.T).T                              # F V^-1 (H e = d)
+    W_q, W_k = z["qk"]
+    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=(0,) * st.steps)
+    layers = Layers(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
+                    scale=jnp.full((1,), p["beta"] / np.sqrt(e), dt), window=jnp.zeros((1,), jnp.int32),
+                    config=cfg)
+
+    order, dim1, dim2, lam = _groups(re, im, jnp.hypot(1.0 + re, im))
+    orth = st.kind != "nonnormal"
+    B = _orthonormal(E[:, order[:k1]], jnp.arange(k1) < dim1, orth)
+    if k1 == 2:                                 # orient a complex-pair plane: I + F turns it counter-clockwise
+        T2 = B.T @ F @ B
+        flip = (dim1 == 2) & (lam[0, 1] > 0) & (T2[1, 0] - T2[0, 1] < 0)
+        B = B.at[:, 1].multiply(jnp.where(flip, -1.0, 1.0))
+    top2 = _orthonormal(E[:, order[:k2]], jnp.arange(k2) < dim1 + dim2, orth)
+    if st.order == "shifted":
+        P, pdim = B, dim1
+    else:
+        porder, pdim, _, _ = _groups(re, im, jnp.hypot(re, im))
+        P = _orthonormal(E[:, porder[:k1]], jnp.arange(k1) < pdim, orth)
+    rand = _orthonormal(z["random"], jnp.arange(k1) < pdim)
+    subs = Subspaces(basis=jnp.stack([P, rand, jnp.zeros_like(P)])[None],
+                     dim=jnp.stack([pdim, pdim, 0]).astype(jnp.int32)[None], names=REFERENCES)
+    v1 = B[:, 0] * (dim1 == 1)
+    x0, exact = _tokens(z, u, p, st, B[:, 0])
+    return Systems(layers=layers, x0=x0, valid=jnp.ones(n, bool), subspaces=subs, direction=B, v1=v1,
+                   lam=lam, dim=dim1.astype(jnp.int32), top2=top2, x0_exact=exact)
+
+
+def _unit_rows(x):
+    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _tokens(z, u, p, st: Static, v):
+    """Initial tokens "float[n d]" (and the exact bipartite start, or None) as in
+    :mod:`powerlens.dynamics.synthetic`, from the normal draws ``z["axis"]``, ``z["tokens"]``
+    and the uniform ``u["angle"]``: sphere, cone around a random axis, or +-v + noise."""
+    g = z["tokens"]
+    if st.init == "sphere":
+        return _unit_rows(g), None
+    if st.init == "cone":
+        a = z["axis"] / jnp.linalg.norm(z["axis"])
+        theta = u["angle"] * p["cone"]
+        g = _unit_rows(g - jnp.outer(g @ a, a))
+        return jnp.cos(theta) * a + jnp.sin(theta) * g, None
+    s = jnp.where(jnp.arange(st.tokens) < st.tokens // 2, 1.0, -1.0).astype(g.dtype)[:, None]
+    exact = s * v[None]
+    return _unit_rows(exact + p["noise"] * g), exact
+
+
+# ------------------------------------------------------------------ host builders
+
+def _canonical(z: complex) -> complex:
+    return complex(z.real, abs(z.imag))
+
+
+def spectral_lambdas(shifted) -> np.ndarray:
+    """"float[3 2]" lambda_1, lambda_2, lambda_3 of an :class:`OrderedSpectrum` (shifted)."""
+    ev = np.asarray(shifted.eigenvalues)
+    keys = np.abs(1.0 + ev)
+    out = np.full((3, 2), np.nan)
+    out[0] = [shifted.top.real, shifted.top.imag]
+    i2 = shifted.dim
+    if i2 < ev.size:
+        out[1] = [_canonical(ev[i2]).real, _canonical(ev[i2]).imag]
+        j = i2 + 1
+        while j < ev.size and keys[j] >= keys[i2] * (1 - GROUP_RTOL) - 1e-12:
+            j += 1
+        if j < ev.size:
+            out[2] = [_canonical(ev[j]).real, _canonical(ev[j]).imag]
+    return out
+
+
+def _pad_columns(mats, k: Optional[int] = None) -> np.ndarray:
+    """Stack "float[d k_i]" bases zero-padded to a common width."""
+    k = max(max(m.shape[1] for m in mats), 1) if k is None else k
+    return np.stack([np.pad(m, [(0, 0), (0, k - m.shape[1])]) for m in mats])
+
+
+def from_layers(systems: Sequence[Layers], x0, valid=None, *, order: str = "shifted", seed: int = 0,
+                spectra=None, subspaces: Optional[Subspaces] = None, direction=None, top2=None, v1=None,
+                lam=None, x0_exact=None) -> Systems:
+    """A batch of S host-built systems, with their spectral information from ``layer_spectra``
+    unless given.
+
+    Args:
+      systems: S one-layer :class:`Layers` of equal static config.
+      x0: "float[S n d]"; valid: "bool[S n]" (default all valid).
+      order, seed: of the reference subspaces (:func:`~powerlens.analysis.spectra.sweep_subspaces`:
+        system i uses seed ``seed + i``), unless ``spectra`` and ``subspaces`` are given.
+      direction, top2: "float[S d k]" bases (default: the shifted principal basis; no top2).
+      v1: "float[S d]" (default: the principal direction where it is one real direction); v1 and
+        lam stay float64 on the host (the bipartite measures square cosines near 1).
+      lam: "float[S 3 2]" (default: from the shifted spectra). x0_exact: "float[S n d]" or None.
+    """
+    if spectra is None or subspaces is None:
+        spectra, subspaces = sweep_subspaces(systems, order=order, seed=seed)
+    sh = [sp[0].shifted for sp in spectra]
+    if direction is None:
+        direction = _pad_columns([s.basis for s in sh])
+    if v1 is None:
+        v1 = np.stack([s.basis[:, 0] if s.dim == 1 else np.zeros(s.basis.shape[0]) for s in sh])
+    if lam is None:
+        lam = np.stack([spectral_lambdas(s) for s in sh])
+    x0 = np.asarray(x0)
+    valid = np.ones(x0.shape[:2], bool) if valid is None else np.asarray(valid, bool)
+    dt = np.asarray(systems[0].W_v).dtype
+    cast = lambda a: None if a is None else np.asarray(a, dt)
+    return Systems(layers=stack_systems(systems), x0=cast(x0), valid=valid, subspaces=subspaces,
+                   direction=cast(direction), v1=np.asarray(v1, np.float64), lam=np.asarray(lam, np.float64),
+                   dim=np.array([s.dim for s in sh], np.int32), top2=cast(top2), x0_exact=cast(x0_exact))
+
+
+def concat(batches: Sequence[Systems]) -> Systems:
+    """Concatenate batches of one group along the system axis; bases are zero-padded on
+    their last axis to the widest (every other array already has equal shapes)."""
+    def cat(*leaves):
+        a = [np.asarray(x) for x in leaves]
+        k = max(x.shape[-1] for x in a)
+        return np.concatenate([np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k - x.shape[-1])]) for x in a])
+    return batches[0] if len(batches) == 1 else jax.tree_util.tree_map(cat, *batches)
+
+
+def host_builder(name: str):
+    """The function named by ``builder = "module:function"`` (a ValueError naming it if absent)."""
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"[system] builder {name!r}: cannot import it ({exc})") from None
+
+
+# ------------------------------------------------------------------ model sweeps
+
+@functools.lru_cache(maxsize=2)
+def _model(name: str):
+    from ..models.load import load
+    return load(name)
+
+
+@functools.lru_cache(maxsize=4)
+def _model_inputs(name: str, prompts: Tuple[str, ...]):
+    from ..models.embed import embed
+    x0, valid = embed(_model(name), list(prompts))
+    return np.asarray(x0), np.asarray(valid, bool)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_spectrum(name: str, layer: int):
+    return layer_spectra(np.asarray(layer_matrices(_model(name).layers.shared(layer, 1))))
+
+
+def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:
+    """The prompts of one point of a model sweep: layer ``point["layer"]`` iterated
+    ``point["steps"]`` times as a shared-weight system, one system per prompt."""
+    name, prompts = spec.model["name"], tuple(spec.model["prompts"])
+    model = _model(name)
+    layer = int(point["layer"])
+    if not -model.layers.n_unique <= layer < model.layers.n_unique:
+        raise ValueError(f"{spec.source}: [model] layers: layer {layer} does not exist "
+                         f"({name} has {model.layers.n_unique} unique layers)")
+    dt = np.float64 if point["x64"] else np.float32
+    one = jax.tree_util.tree_map(lambda a: np.asarray(a, dt) if np.issubdtype(np.asarray(a).dtype, np.floating)
+                                 else np.asarray(a), model.layers.shared(layer, int(point["steps"])))
+    spectra = _model_spectrum(name, layer)
+    subs = reference_subspaces(spectra, order=point["order"], seed=spec.seed, dtype=dt)
+    P = len(prompts)
+    x0, valid = _model_inputs(name, prompts)
+    return from_layers([one] * P, x0, valid, spectra=[spectra] * P, subspaces=stack_subspaces([subs] * P))

@@ -1,0 +1,121 @@
+"""`powerlens sweep` over several processes (JAX's multi-controller runtime on 127.0.0.1):
+the same results.parquet as one process, after a killed worker too, with a global mesh
+too; an unreachable coordinator is a one-line error within --init-timeout."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from powerlens.cli import main
+from powerlens.sweeps import distributed
+from test_sweep_engine import KILL
+
+SPEC = KILL                   # the resume test's spec: one compilation (persistent cache) for both files
+N_CHUNKS = 8
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "jax-cache"
+    cache.mkdir(exist_ok=True)
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "spec.toml"
+    path.write_text(SPEC)
+    return str(path)
+
+
+def _cmd(spec, out, *extra):
+    return [sys.executable, "-m", "powerlens.cli", "sweep", spec, "--out", str(out), "--quiet", *extra]
+
+
+def _run(cmd, env):
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, spec, env):
+    """results.parquet of one process."""
+    out = tmp_path_factory.mktemp("one") / "out"
+    _run(_cmd(spec, out), env)
+    return (out / "results.parquet").read_bytes()
+
+
+def test_two_processes_give_the_table_of_one(tmp_path, spec, env, reference):
+    done = _run(_cmd(spec, tmp_path / "two", "--processes", "2"), env)
+    assert "2 workers on 127.0.0.1:" in done.stdout and "2 processes" in done.stdout
+    assert (tmp_path / "two" / "results.parquet").read_bytes() == reference
+
+
+def test_a_killed_worker_restarted_gives_the_same_table(tmp_path, spec, env, reference):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(spec, out, "--processes", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", proc.stdout.readline()).groups()]
+    chunks = out / ".chunks"
+    deadline = time.time() + 120
+    odd = lambda: [f for f in (os.listdir(chunks) if chunks.is_dir() else []) if re.search(r"c\d*[13579]\.json$", f)]
+    while not odd() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None and odd(), "worker 1 finished before it could be killed"
+    os.kill(pids[1], signal.SIGKILL)                  # a worker this test's launcher started
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "worker 1 was killed by signal 9" in err
+    n_done = len(os.listdir(chunks))
+    assert n_done < N_CHUNKS and not (out / "results.parquet").exists()
+
+    done = _run(_cmd(spec, out, "--processes", "2"), env)
+    assert "resumed" in done.stdout and "0 resumed" not in done.stdout
+    assert (out / "results.parquet").read_bytes() == reference
+
+
+def test_a_global_mesh_gives_the_numbers_of_one_process(tmp_path, spec, env, reference):
+    """Every chunk sharded over the devices of both processes (jax.make_mesh over all of them)."""
+    _run(_cmd(spec, tmp_path / "global", "--processes", "2", "--global-mesh"), env)
+    assert (tmp_path / "global" / "results.parquet").read_bytes() == reference
+
+
+def test_an_unreachable_coordinator_fails_within_the_timeout(tmp_path, spec, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                     # nothing listens there once closed
+    t0 = time.monotonic()
+    code = main(["sweep", spec, "--out", str(tmp_path / "x"), "--coordinator", f"127.0.0.1:{port}",
+                 "--num-processes", "2", "--process-id", "1", "--init-timeout", "1.5"])
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and elapsed < 5, (code, elapsed)
+    assert len(err.splitlines()) == 1 and f"cannot reach the coordinator at 127.0.0.1:{port} within 1.5 s" in err
+
+
+def test_settings_from_the_environment(monkeypatch):
+    for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert distributed.from_environment() is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.from_environment() is None                    # one task: a plain single process
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.from_environment() == {}                      # jax.distributed detects the rest
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    with pytest.raises(ValueError, match="set JAX_NUM_PROCESSES and JAX_PROCESS_ID too"):
+        distributed.from_environment()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    assert distributed.from_environment() == {"coordinator": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        distributed.split_address("nohost")
