@@ -613,7 +613,7 @@ def plot_scatter_predicted(predicted, measured, path, *, xlabel: str, ylabel: st
     ax.set_aspect("equal", adjustable="box")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8, loc="upper left", framealpha=0.85)
+    ax.legend(fontsize=8, loc="lower right", framealpha=0.85)
     ax.grid(alpha=0.3)
     if title:
         ax.set_title(title, fontsize=11)

@@ -52,6 +52,8 @@ def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Opt
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     report.parse_plot(plot, spec)
     if out is None:
+        if jax.process_count() > 1:
+            raise ValueError("a sweep over several processes needs an output folder (out=...) that all of them see")
         return run_sweep(spec, MemoryStore(), mode=mode, progress=progress).table
     target = io.check_out_path(out)
     spec_dict = spec.to_dict()

@@ -1,6 +1,6 @@
 """The sweep engine: every system of a spec through one compiled program per group.
 
-    plan_chunks(spec, grid, groups)     -> chunks: (group, index, systems [start, stop))
+    plan_chunks(spec, groups)           -> chunks: (group, index, systems [start, stop))
     run_sweep(spec, store=...)          -> SweepResult (the table on process 0)
 
 * Points are grouped by static shape (:mod:`powerlens.sweeps.grid`); each group runs in
@@ -16,8 +16,9 @@
 * Chunk j goes to process j mod N (``"local"`` mode: each process runs its chunks on its
   own devices); in ``"global"`` mode every chunk is sharded over the global mesh of all
   processes' devices. A finished chunk is reduced to its columns on the host and stored
-  at once; a chunk already in the store is never recomputed. Within a group the next chunk
-  is dispatched before the previous one is reduced, so host work overlaps device work.
+  at once; a chunk already in the store is never recomputed. The next chunk is dispatched
+  (and a new group compiled) before the previous one is reduced, so host work overlaps
+  device work.
 * The numbers of a system do not depend on the chunking, the process count or resumption:
   each device always runs the same micro-batch program.
 """
@@ -87,11 +88,11 @@ def static_of(spec: Spec, group: Group) -> Static:
 
 
 def bytes_per_system(st: Static, d: int, n: int, heads: int, micro: int) -> Dict[str, int]:
-    """Rough bytes of one system: ``held`` (inputs and outputs, alive for the whole chunk)
-    and ``working`` (the scan's stacked outputs and one step's temporaries, alive for one
-    micro-batch)."""
+    """Rough bytes of one system: ``held`` (its parameters, the build's d x d temporaries,
+    inputs and outputs: alive for the whole chunk) and ``working`` (the scan's stacked
+    outputs and one step's temporaries, alive for one micro-batch)."""
     T, item, m = st.steps, (8 if st.x64 else 4), 3
-    held = 4 * d * d + 2 * n * d + 4 * d * 4 + 6 * (T + 1) + 2 * n * d
+    held = 12 * d * d + 2 * n * d + 4 * d * 4 + 6 * (T + 1) + 2 * n * d
     if "plane_angle" in st.series:
         held += (T + 1) * n
     working = (3 * m + 8) * (T + 1) + heads * n * n * 4 + 3 * n * d * 6
@@ -119,7 +120,7 @@ def _budget() -> int:
 
 
 def chunk_size(spec: Spec, group: Group, st: Static) -> int:
-    """Systems per chunk for ``group``: the spec's ``chunk``, else what the memory estimate
+    """Systems per chunk for ``group``: the spec's ``chunk_size``, else what the memory estimate
     allows (at most :data:`MAX_CHUNK`), balanced over the group and rounded to the micro-batch;
     whole points for host-built systems."""
     G = group.n_systems
@@ -142,7 +143,7 @@ def chunk_size(spec: Spec, group: Group, st: Static) -> int:
     return min(size, G)
 
 
-def plan_chunks(spec: Spec, grid: Grid, groups: List[Group]) -> List[Chunk]:
+def plan_chunks(spec: Spec, groups: List[Group]) -> List[Chunk]:
     """Every chunk of the sweep, group after group (the same list on every process)."""
     out = []
     for g in groups:
@@ -197,6 +198,8 @@ def _program(st: Static, device_built: bool, mesh, micro: Optional[int]):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(st: Static, device_built: bool, mesh, micro: Optional[int]):
+    # the system is built inside each micro-batch (LAPACK-free, :mod:`powerlens.sweeps.linalg`),
+    # so every device runs the same program on the same micro-batch shape
     if device_built:
         fn = lambda seed, p: measure(synthetic(seed, p, st), st)
     else:
@@ -215,7 +218,7 @@ class Engine:
         self.grid = Grid(spec)
         self.groups = self.grid.groups()
         self.statics = [static_of(spec, g) for g in self.groups]
-        self.chunks = plan_chunks(spec, self.grid, self.groups)
+        self.chunks = plan_chunks(spec, self.groups)
         self.rank, self.nproc = jax.process_index(), jax.process_count()
         from jax.sharding import Mesh
         if mode == "global":
@@ -239,14 +242,18 @@ class Engine:
         R = self.grid.replicates
         size, micro = _padded(chunk.size, self.mesh.size, self.micro)
         if self.device_built:
-            dt = np.float64 if st.x64 else np.float32
-            seeds = system_seeds(self.spec.seed, ids // R, ids % R).astype(np.int32)
-            inputs, facts = (seeds, {k: self.grid.array(k, ids // R, dt) for k in DYNAMIC}), {}
+            inputs, facts = self._seeds_and_values(ids, st), {}
         else:
             sy = self._host_systems(ids[::R] // R)
             facts = {"lam": np.asarray(sy.lam), "dim": np.asarray(sy.dim), "v1": np.asarray(sy.v1)}
             inputs = (sy.replace(lam=None, dim=None, v1=None),)
         return ids, _pad(inputs, size), micro, facts
+
+    def _seeds_and_values(self, ids, st: Static):
+        """What a synthetic system is built from: its seed "int32[S]" and dynamic values."""
+        R, dt = self.grid.replicates, (np.float64 if st.x64 else np.float32)
+        seeds = system_seeds(self.spec.seed, ids // R, ids % R).astype(np.int32)
+        return seeds, {k: self.grid.array(k, ids // R, dt) for k in DYNAMIC}
 
     def _host_systems(self, points) -> Systems:
         """The host-built systems of whole points (the builder is called once per point)."""
@@ -273,11 +280,8 @@ class Engine:
                 sy = self._host_systems(np.unique(ids // R))
                 pos = np.searchsorted(np.unique(ids // R), ids // R) * R + ids % R
                 return jax.tree_util.tree_map(lambda a: np.asarray(a)[pos], sy)
-            dt = np.float64 if st.x64 else np.float32
-            seeds = system_seeds(self.spec.seed, ids // R, ids % R).astype(np.int32)
-            p = {k: self.grid.array(k, ids // R, dt) for k in DYNAMIC}
             build = jax.jit(jax.vmap(lambda seed, q: synthetic(seed, q, st)))
-            return jax.tree_util.tree_map(np.asarray, build(seeds, p))
+            return jax.tree_util.tree_map(np.asarray, build(*self._seeds_and_values(ids, st)))
 
     def _place(self, tree):
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -337,13 +341,7 @@ class Engine:
                    desc=self.desc or self.spec.name, disable=not self.progress, leave=True, dynamic_ncols=True)
         t1 = time.time()
         pending = None
-        for c in todo + [None]:
-            if pending is not None and (c is None or c.group != pending[0].group):
-                # a new group compiles: never while a chunk runs (XLA:CPU can deadlock compiling
-                # one program while another executes), so the pipeline drains first
-                values[pending[0].name] = self.finish(pending)
-                bar.update(pending[0].n)
-                pending = None
+        for c in todo + [None]:                       # launch chunk k+1, then reduce chunk k
             launched = None if c is None else self.launch(c)
             if pending is not None:
                 values[pending[0].name] = self.finish(pending)

@@ -64,14 +64,13 @@ def parse_plot(text: Optional[str], spec, df=None) -> Optional[Tuple[str, str, O
 
 
 def _numeric(s):
-    return np.asarray(s.astype("float64"), np.float64)
+    """A column as "float[S]" (booleans 0/1, nulls NaN)."""
+    return s.astype("Float64").to_numpy(dtype=np.float64, na_value=np.nan)
 
 
 def _values(s) -> list:
-    try:
-        return sorted(s.unique())
-    except TypeError:
-        return list(dict.fromkeys(s))
+    """A grid axis' values in the spec's order (the table is in point order)."""
+    return list(s.unique())
 
 
 def plot_heatmap(df, measure: str, x: str, y: Optional[str], path: str) -> str:

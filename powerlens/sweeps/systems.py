@@ -6,7 +6,8 @@ from one of three builders:
 
 * ``synthetic`` (the default): built on the device, inside the compiled program, from
   the system's seed alone (:func:`synthetic`): F = Q D Q^T (symmetric, normal) or
-  S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum, split over the
+  S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum (LAPACK-free:
+  :mod:`powerlens.sweeps.linalg`), split over the
   heads exactly as :func:`powerlens.dynamics.synthetic.synthetic_system` does, Gaussian
   queries/keys of inverse temperature beta. The spectrum is known by construction, so the
   principal subspaces are columns of Q (or S), never an ``eig``;
@@ -37,6 +38,7 @@ from ..dynamics.params import LayerConfig, Layers, layer_matrices
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
 from ..dynamics.sweep import stack_systems
 from ..dynamics.synthetic import parse_spectrum
+from .linalg import gram_schmidt, haar_q, solve
 
 GROUP_RTOL = 1e-4
 
@@ -102,10 +104,7 @@ class Static:
 def _orthonormal(A, keep, orthogonal: bool = False):
     """Orthonormal basis "float[d k]" of the leading columns of A "float[d k]" that ``keep``
     (a prefix mask); the others are zero. ``orthogonal``: A's columns already are."""
-    if not orthogonal:
-        Q, R = jnp.linalg.qr(A)
-        A = Q * jnp.sign(jnp.diag(R))
-    return A * keep
+    return A * keep if orthogonal else gram_schmidt(A, keep)
 
 
 def _groups(lam_re, lam_im, keys):
@@ -190,13 +189,12 @@ def synthetic(seed, p: Dict[str, Any], st: Static) -> Systems:
     D = jnp.diag(re) + jnp.diag(sup, 1) - jnp.diag(sup, -1)
     if st.kind == "nonnormal":
         E = jnp.eye(d, dtype=dt) + p["nonnormality"] * z["basis"] / np.sqrt(d)
-        F = jnp.linalg.solve(E.T, (E @ D).T).T                     # S D S^-1
+        F = solve(E.T, (E @ D).T).T                                 # S D S^-1
     else:
-        Q, R = jnp.linalg.qr(z["basis"])
-        E = Q * jnp.sign(jnp.diag(R))
+        E = haar_q(z["basis"])
         F = E @ D @ E.T
     V = z["value"] / np.sqrt(d)
-    W_o = jnp.linalg.solve(V.T, F.T).T                              # F V^-1 (H e = d)
+    W_o = solve(V.T, F.T).T                                         # F V^-1 (H e = d)
     W_q, W_k = z["qk"]
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=(0,) * st.steps)
     layers = Layers(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
