@@ -148,10 +148,11 @@ class RunResult:
 
 
 def plot_measures(measures: Dict[str, StepMeasures], path: str, *, xlabel: str, title: Optional[str] = None,
-                  other_layer_gamma: bool = False) -> str:
+                  other_layer_gamma: bool = False, marks=None) -> str:
     """gamma_t and rho_t (t >= 1) of one run per ordering (``measures``: order -> StepMeasures),
     with the chance band and the controls of the first ordering: the random subspace for
-    gamma (and the other layer with ``other_layer_gamma``), both controls for rho."""
+    gamma (and the other layer with ``other_layer_gamma``), both controls for rho.
+    ``marks``: label -> states t to shade (see :func:`powerlens.analysis.plots.plot_alignment`)."""
     from . import plots
     ref = next(iter(measures.values()))
     step = lambda a: np.asarray(a)[1:]
@@ -162,7 +163,7 @@ def plot_measures(measures: Dict[str, StepMeasures], path: str, *, xlabel: str, 
         step(ref.t), {o: step(m.gamma) for o, m in measures.items()}, {o: step(m.rho) for o, m in measures.items()},
         path, chance=step(ref.chance_gamma), chance_band=step(ref.chance_band), gamma_controls=gamma_controls,
         rho_controls={"random subspace": step(ref.rho_random), "other layer": step(ref.rho_other_layer)},
-        xlabel=xlabel, title=title)
+        xlabel=xlabel, title=title, marks=marks)
 
 
 def rows_csv(rows: List[dict]) -> str:

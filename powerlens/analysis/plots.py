@@ -242,7 +242,7 @@ def plot_eigenvalues(spectra, path, *, title: Optional[str] = None, max_panels: 
 def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, *, chance,
                    chance_band=None, gamma_controls: Optional[Mapping] = None,
                    rho_controls: Optional[Mapping] = None, xlabel: str = "layer t",
-                   title: Optional[str] = None, return_fig: bool = False):
+                   title: Optional[str] = None, marks: Optional[Mapping] = None, return_fig: bool = False):
     """gamma_t (top) and rho_t (bottom) per layer or step.
 
     Args:
@@ -253,6 +253,7 @@ def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, 
       chance_band: half-width of the chance band (e.g. 2 std / sqrt(tokens)), number or (n,).
       gamma_controls, rho_controls: dicts name -> (n,) drawn dashed ('random subspace',
         'other layer').
+      marks: dict label -> x values to shade on both panels (e.g. {'global attention': [6, 12]}).
     """
     x = _vector(layers_or_steps, "layers_or_steps")
     n = x.shape[0]
@@ -268,6 +269,12 @@ def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, 
     mk = _marker(n)
     fig = Figure(figsize=(8.0, 6.4))
     ax1, ax2 = fig.subplots(2, 1, sharex=True)
+    width = float(np.min(np.diff(np.sort(x)))) if n > 1 else 1.0
+    for i, (label, xs) in enumerate((marks or {}).items()):
+        for ax in (ax1, ax2):
+            for j, xm in enumerate(np.atleast_1d(np.asarray(xs, float))):
+                ax.axvspan(xm - width / 2, xm + width / 2, color=("#f2c14e", "#9ecae1", "#c7e9c0")[i % 3],
+                           alpha=0.45, lw=0, zorder=0, label=label if j == 0 else None)
     if chance_band is not None:
         b = _band(chance_band, "chance_band", n)
         ax1.fill_between(x, ch - b, ch + b, color="0.85", lw=0, label="chance ± band", step=None)
