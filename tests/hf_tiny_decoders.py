@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face decoders (GPT-2, GPT-Neo, Llama, Mistral, Qwen2) for the equivalence tests.
+"""Tiny random Hugging Face decoders (GPT-2, GPT-Neo, Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3) for the
+equivalence tests.
 
 The default HF initialisation (std 0.02) gives almost uniform attention and near-identity
 blocks, which would hide a wrong mask or a wrong transpose; ``randomize`` redraws every
@@ -19,10 +20,45 @@ LLAMA_LIKE = {
     "mistral": ("MistralConfig", "MistralForCausalLM", "MistralModel", dict(sliding_window=3)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2Model",
               dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+    # q/k RMSNorm per head
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3Model",
+              dict(use_sliding_window=True, sliding_window=3, max_window_layers=1)),
+    # (1 + w) RMSNorm, sqrt(d) embedding scale, GELU-tanh GLU
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", "GemmaModel", dict()),
+    # + sandwich norms, query_pre_attn_scalar 24 != head_dim, soft-capping small enough to bite,
+    # sliding layers 0 and 2
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "Gemma2Model",
+               dict(sliding_window=3, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=4.0)),
+    # + q/k norms, sliding layers 0 and 2 (pattern 2), separate RoPE bases far apart
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", "Gemma3TextModel",
+                    dict(sliding_window=3, query_pre_attn_scalar=24, sliding_window_pattern=2,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 30.0},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 3000.0}})),
 }
 LLAMA_LIKE_BASE = dict(vocab_size=VOCAB, max_position_embeddings=32, hidden_size=48, intermediate_size=40,
                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                        rms_norm_eps=1e-5)
+
+# GPT-NeoX, OPT, Phi, Phi-3: (config class, causal-LM class, base class, sizes and defaults)
+OTHER_DECODERS = {
+    # head size 16, a quarter of it rotated (4 dimensions)
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "GPTNeoXModel",
+                 dict(vocab_size=VOCAB, max_position_embeddings=32, hidden_size=64, intermediate_size=80,
+                      num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25)),
+    "opt": ("OPTConfig", "OPTForCausalLM", "OPTModel",
+            dict(vocab_size=VOCAB, max_position_embeddings=32, hidden_size=48, ffn_dim=40, num_hidden_layers=2,
+                 num_attention_heads=4, word_embed_proj_dim=48, pad_token_id=1)),
+    # 4 query heads over 2 key/value heads, head size 12, half of it rotated
+    "phi": ("PhiConfig", "PhiForCausalLM", "PhiModel",
+            dict(vocab_size=VOCAB, max_position_embeddings=32, hidden_size=48, intermediate_size=40,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    # fused qkv_proj / gate_up_proj; window 3 < the 7-token prompts
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "Phi3Model",
+             dict(vocab_size=VOCAB, max_position_embeddings=32, original_max_position_embeddings=32, hidden_size=48,
+                  intermediate_size=40, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  sliding_window=3, pad_token_id=0, eos_token_id=2)),
+}
 
 
 def randomize(model, seed: int, *, std: float = 1.2, zero=()):
@@ -80,6 +116,10 @@ def build(kind: str, folder: str, *, seed: int = 0, head: bool = True, attn: str
     elif kind in LLAMA_LIKE:
         config_cls, lm_cls, base_cls, defaults = LLAMA_LIKE[kind]
         config = getattr(tf, config_cls)(**{**LLAMA_LIKE_BASE, **defaults, **cfg})
+        cls = getattr(tf, lm_cls if head else base_cls)
+    elif kind in OTHER_DECODERS:
+        config_cls, lm_cls, base_cls, defaults = OTHER_DECODERS[kind]
+        config = getattr(tf, config_cls)(**{**defaults, **cfg})
         cls = getattr(tf, lm_cls if head else base_cls)
     else:
         raise ValueError(kind)
@@ -168,13 +208,23 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, arch: str, *, permute: bool):
+# llama.cpp's names for the Qwen3 / Gemma 3 extras (Gemma 2/3's ``post_attention_layernorm`` is the
+# attention post-norm there, and ``pre_feedforward_layernorm`` the FFN norm)
+GGUF_QK_NORM_NAMES = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+GGUF_GEMMA3_NAMES = dict(GGUF_QK_NORM_NAMES, post_attention_layernorm="post_attention_norm",
+                         pre_feedforward_layernorm="ffn_norm", post_feedforward_layernorm="post_ffw_norm")
+
+
+def write_gguf(path, model, arch: str, *, permute: bool, names=None, norm_shift: float = 0.0, meta=None):
     """Write a tiny Llama-style causal LM as an F32 GGUF of architecture ``arch``, the way
     llama.cpp's converter does: metadata ``{arch}.…``, tensors renamed, no ``output`` when
     the head is tied, and (``permute``: its ``llama`` converter) the rows of q/k weights and
-    biases permuted for the interleaved RoPE."""
+    biases permuted for the interleaved RoPE. ``names``: extra HF module -> GGUF names;
+    ``norm_shift``: added to every ``*norm.weight`` (llama.cpp's Gemma 3 ``norm_shift`` 1);
+    ``meta``: called with the writer to add further metadata."""
     import gguf
     c = model.config
+    block_names = dict(GGUF_BLOCK_NAMES, **(names or {}))
     H, G = c.num_attention_heads, c.num_key_value_heads
     e = getattr(c, "head_dim", None) or c.hidden_size // H
     w = gguf.GGUFWriter(str(path), arch)
@@ -187,8 +237,11 @@ def write_gguf(path, model, arch: str, *, permute: bool):
     w.add_key_length(e)
     w.add_value_length(e)
     w.add_rope_dimension_count(e)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    w.add_rope_freq_base((rope["full_attention"] if "full_attention" in rope else rope)["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if meta is not None:
+        meta(w)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -198,9 +251,11 @@ def write_gguf(path, model, arch: str, *, permute: bool):
         else:
             _, _, i, rest = name.split(".", 3)                 # model.layers.N.<module>.<weight|bias>
             module, kind = rest.rsplit(".", 1)
-            out = f"blk.{i}.{GGUF_BLOCK_NAMES[module]}.{kind}"
+            out = f"blk.{i}.{block_names[module]}.{kind}"
             if permute and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 arr = llama_cpp_permute(arr, H if module == "self_attn.q_proj" else G)
+        if norm_shift and name.endswith("norm.weight"):
+            arr = arr + norm_shift
         w.add_tensor(out, np.ascontiguousarray(arr, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -5,6 +5,10 @@ Modes (design.md §1):
     softmax   A_h = softmax(scale (X W_qh^T + b_qh)(X W_kh^T + b_kh)^T + mask), with the
               causal mask, a local window (token i sees j with i - window < j <= i) and a
               key padding mask; RoPE on q and k when the config asks for it.
+              Decoder refinements, all of which only shape A: per-head RMSNorm of q and k
+              before RoPE (``q_norm_scale``/``k_norm_scale``: Qwen3, Gemma 3), a RoPE base
+              per layer (``rope_base``: Gemma 3), and soft-capped scores
+              s -> cap tanh(s / cap), s = scale q.k, before the mask (``attn_softcap``: Gemma 2).
     uniform   A = 1/n over the valid tokens, or the causal mean over j <= i.
     identity  A = I.
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from .norms import rms_norm
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
 
@@ -44,8 +50,11 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def apply_rope(x, positions, theta: float, rope_dim=None):
-    """Hugging Face (``rotate_half``) rotary embedding on the last axis of x "float[... n e]"."""
+def apply_rope(x, positions, theta, rope_dim=None):
+    """Hugging Face (``rotate_half``) rotary embedding on the last axis of x "float[... n e]".
+
+    ``theta``: the base, a float or a traced scalar (a per-layer ``rope_base`` inside the scan);
+    the frequencies theta^(-2i/r) are formed in float32, as transformers does."""
     e = x.shape[-1]
     r = e if rope_dim is None else rope_dim
     inv_freq = 1.0 / (theta ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))
@@ -58,9 +67,13 @@ def apply_rope(x, positions, theta: float, rope_dim=None):
 
 
 def masked_softmax(lp, qk, valid):
-    """softmax(scale * qk + mask) over keys: qk "float[H n n]" raw scores q_i . k_j."""
+    """softmax(cap(scale * qk) + mask) over keys: qk "float[H n n]" raw scores q_i . k_j;
+    cap(s) = c tanh(s / c) with c = ``config.attn_softcap`` (Gemma 2), the identity when None."""
     n = qk.shape[-1]
     s = lp.scale * qk
+    cap = lp.config.attn_softcap
+    if cap is not None:
+        s = cap * jnp.tanh(s / cap)
     ok = allowed_keys(n, valid, causal=lp.config.causal, window=lp.window)
     s = jnp.where(ok[None], s, jnp.finfo(s.dtype).min)
     return jax.nn.softmax(s, axis=-1)
@@ -75,7 +88,8 @@ def qkv_weight(layers):
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):
     """q, k, v "float[n H e]" of one layer from one fused projection X @ qkv^T, with the
-    q/k biases and RoPE; key/value heads repeated to the H query heads."""
+    q/k biases, then the per-head q/k RMSNorm (over e, when the layer has one), then RoPE;
+    key/value heads repeated to the H query heads."""
     cfg = lp.config
     if lp.W_q is None or lp.W_k is None:
         raise ValueError("softmax attention needs W_q and W_k, and this system has none: "
@@ -90,10 +104,15 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
         q = q + lp.b_q
     if lp.b_k is not None:
         k = k + lp.b_k
+    if lp.q_norm_scale is not None:
+        q = rms_norm(q, lp.q_norm_scale, cfg.norm_eps)
+    if lp.k_norm_scale is not None:
+        k = rms_norm(k, lp.k_norm_scale, cfg.norm_eps)
     if cfg.rope_theta is not None:
         if positions is None:
             positions = jnp.arange(n)
-        rope = lambda t: jnp.swapaxes(apply_rope(jnp.swapaxes(t, 0, 1), positions, cfg.rope_theta,
+        theta = cfg.rope_theta if lp.rope_base is None else lp.rope_base
+        rope = lambda t: jnp.swapaxes(apply_rope(jnp.swapaxes(t, 0, 1), positions, theta,
                                                  cfg.rope_dim), 0, 1)
         q, k = rope(q), rope(k)
     if cfg.kv_group > 1:

@@ -6,7 +6,13 @@
     post_ln  X <- LN(X + attn(X))                   BERT/ALBERT attention sub-layer
     pre_ln   X <- X + attn(LN(X))                   GPT-2/GPT-Neo/Llama attention sub-layer
     full     the model's own block, FFN included (post: LN2(h + FFN(h)), h = LN1(X + attn X);
-             pre: h + FFN(LN2 h), h = X + attn(LN1 X))
+             pre: h + FFN(LN2 h), h = X + attn(LN1 X); parallel pre (GPT-NeoX, Phi):
+             X + attn(LN1 X) + FFN(LN2 X), LN2 = LN1 when the layer has no ffn_norm)
+
+Sandwich norms (Gemma 2/3: ``post_attn_norm_scale``, ``post_ffn_norm_scale``) norm each
+sub-layer's output before it joins the residual: the attention sub-layer of ``pre_ln`` and
+``full`` is X + PostNorm(attn(PreNorm X)), the FFN sub-layer of ``full``
+h + PostFFNNorm(FFN(PreFFNNorm h)). ``paper`` and ``post_ln`` drop them with every other norm.
 
 Every function takes one unique layer's parameters ``lp`` (leading axis removed) and
 one prompt X (n, d) with its ``valid`` mask (n,).
@@ -66,8 +72,13 @@ def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention:
 def _norm(lp, X, which: str):
     cfg = lp.config
     scale = getattr(lp, f"{which}_scale")
-    bias = getattr(lp, f"{which}_bias")
+    bias = getattr(lp, f"{which}_bias", None)
     return apply_norm(cfg.norm, X, scale, bias, cfg.norm_eps)
+
+
+def _post(lp, Y, which: str):
+    """The sandwich post-norm ``which`` (``post_attn_norm``, ``post_ffn_norm``) of Y, when the layer has it."""
+    return Y if getattr(lp, f"{which}_scale") is None else _norm(lp, Y, which)
 
 
 def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
@@ -108,13 +119,17 @@ def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "pap
     if rule == "post_ln":
         return _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
     if rule == "pre_ln":
-        return X + attention_output(lp, _norm(lp, X, "norm"), valid, **kw)
+        return X + _post(lp, attention_output(lp, _norm(lp, X, "norm"), valid, **kw), "post_attn_norm")
     # full
     if lp.config.norm_placement == "post":
         h = _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
         return _norm(lp, h + ffn(lp, h), "ffn_norm")
-    h = X + attention_output(lp, _norm(lp, X, "norm"), valid, **kw)
-    return h + ffn(lp, _norm(lp, h, "ffn_norm"))
+    Xn = _norm(lp, X, "norm")
+    if lp.config.parallel_residual:     # GPT-NeoX / Phi: both sub-layers read X
+        Xf = Xn if lp.ffn_norm_scale is None else _norm(lp, X, "ffn_norm")
+        return X + attention_output(lp, Xn, valid, **kw) + ffn(lp, Xf)
+    h = X + _post(lp, attention_output(lp, Xn, valid, **kw), "post_attn_norm")
+    return h + _post(lp, ffn(lp, _norm(lp, h, "ffn_norm")), "post_ffn_norm")
 
 
 def faithful_rule(config) -> str:

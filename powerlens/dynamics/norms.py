@@ -2,7 +2,9 @@
 
     l2         x / ||x||_2                                   (the paper's N2)
     layernorm  (x - mean(x)) / sqrt(var(x) + eps) * scale + bias
-    rmsnorm    x / sqrt(mean(x^2) + eps) * scale             (Llama)
+    rmsnorm    x / sqrt(mean(x^2) + eps) * scale             (Llama; also the per-head q/k norms of
+               Qwen3 / Gemma 3 over the last axis e; Gemma's x / rms(x) * (1 + w) is this with
+               scale = 1 + w, folded at conversion)
 """
 from __future__ import annotations
 

@@ -12,6 +12,11 @@ e = d_head, d = model width, f = FFN width)::
     norm_scale / norm_bias (U, d)       the attention sub-layer's norm
     ffn_norm_scale / ffn_norm_bias (U, d), W_in (U, f, d), b_in (U, f),
     W_gate (U, f, d), W_out (U, d, f), b_out (U, d)   only for rule ``full``
+    q_norm_scale / k_norm_scale (U, e)   per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    post_attn_norm_scale / post_ffn_norm_scale (U, d)   sandwich norms (Gemma 2/3): the
+        attention and FFN outputs are normed before they join the residual
+    rope_base (U,)   per-layer RoPE base (Gemma 3: 1e4 on local, 1e6 on global layers);
+        absent = ``config.rope_theta`` on every layer
 
 Column-vector maths: a token x maps to ``F x`` with
 ``F = sum_h O_h V_h = W_o @ concat_h(V_h)`` (d, d); with grouped-query attention
@@ -37,6 +42,7 @@ from .schedule import Schedule
 
 NORMS = ("l2", "layernorm", "rmsnorm")
 FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
+SANDWICH_NORMS = ("post_attn_norm_scale", "post_ffn_norm_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +63,11 @@ class LayerConfig:
       schedule: the unique-layer index of each step, a :class:`Schedule` (any sequence of
         ints is converted; ``None`` = one step per unique layer).
       family: free-form family name, for reports.
+      attn_softcap: attention-logit soft-capping (Gemma 2): each score s = scale q.k becomes
+        cap * tanh(s / cap) before the mask and the softmax; ``None`` = off.
+      parallel_residual: the ``full`` block of a ``pre`` model is parallel (GPT-NeoX with
+        ``use_parallel_residual``, Phi): X + attn(LN1 X) + FFN(LN2 X), LN2 the ``ffn_norm``
+        (absent: the one shared ``norm``, as in Phi).
     """
 
     d_model: int
@@ -72,6 +83,8 @@ class LayerConfig:
     ffn_activation: Optional[str] = None
     schedule: Optional[Schedule] = None
     family: str = "synthetic"
+    attn_softcap: Optional[float] = None
+    parallel_residual: bool = False
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -93,6 +106,14 @@ class LayerConfig:
             raise ValueError(f"LayerConfig.norm must be one of {NORMS}, got {self.norm!r}")
         if self.norm_placement not in ("post", "pre"):
             raise ValueError(f"LayerConfig.norm_placement must be 'post' or 'pre', got {self.norm_placement!r}")
+        if not isinstance(self.parallel_residual, (bool, np.bool_)) or (self.parallel_residual and
+                                                                         self.norm_placement != "pre"):
+            raise ValueError(f"LayerConfig.parallel_residual must be a bool, and True only with norm_placement "
+                             f"'pre', got {self.parallel_residual!r} with {self.norm_placement!r}")
+        object.__setattr__(self, "parallel_residual", bool(self.parallel_residual))
+        if self.attn_softcap is not None and (isinstance(self.attn_softcap, (bool, np.bool_)) or not isinstance(
+                self.attn_softcap, (int, float, np.number)) or not 0 < self.attn_softcap < np.inf):
+            raise ValueError(f"LayerConfig.attn_softcap must be a positive number or None, got {self.attn_softcap!r}")
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
@@ -130,6 +151,11 @@ class Layers:
     W_gate: Optional[jax.Array] = None
     W_out: Optional[jax.Array] = None
     b_out: Optional[jax.Array] = None
+    q_norm_scale: Optional[jax.Array] = None
+    k_norm_scale: Optional[jax.Array] = None
+    post_attn_norm_scale: Optional[jax.Array] = None
+    post_ffn_norm_scale: Optional[jax.Array] = None
+    rope_base: Optional[jax.Array] = None
     config: LayerConfig = struct.field(pytree_node=False, default=None)
 
     @property
@@ -290,6 +316,8 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
         "W_o": (U, d, cfg.n_heads * e),
         "b_q": (U, cfg.n_heads, e), "b_k": (U, cfg.n_kv_heads, e), "b_v": (U, cfg.n_kv_heads, e), "b_o": (U, d),
         "norm_scale": (U, d), "norm_bias": (U, d), "ffn_norm_scale": (U, d), "ffn_norm_bias": (U, d),
+        "q_norm_scale": (U, e), "k_norm_scale": (U, e), "post_attn_norm_scale": (U, d),
+        "post_ffn_norm_scale": (U, d), "rope_base": (U,),
     }
     expect.update(_ffn_shapes(arrays, U, d))
     if (e, d) != (cfg.d_head, cfg.d_model):
@@ -310,6 +338,13 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
     if not np.all(np.isfinite(np.asarray(scale))):
         raise ValueError("scale contains non-finite values")
+    if fields.get("rope_base") is not None:
+        if cfg.rope_theta is None:
+            raise ValueError("rope_base is given but the config has no RoPE (rope_theta None)")
+        if not np.all(np.asarray(fields["rope_base"]) > 0):
+            raise ValueError("rope_base must be positive on every layer")
+    if cfg.norm_placement == "post" and any(fields.get(k) is not None for k in SANDWICH_NORMS):
+        raise ValueError(f"sandwich norms ({', '.join(SANDWICH_NORMS)}) need norm_placement 'pre'")
     layers = Layers(scale=scale, window=window, config=cfg, **fields)
     if cfg.schedule is not None:
         layers.with_schedule(cfg.schedule)  # validates indices

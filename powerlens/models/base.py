@@ -27,7 +27,7 @@ class ModelInfo:
     """Static facts about a loaded checkpoint.
 
     family: ``bert``, ``albert``, ``roberta``, ``distilbert``, ``gpt2``, ``gpt_neo``, ``llama``,
-    ``mistral`` or ``qwen2``.
+    ``mistral``, ``qwen2``, ``gpt_neox``, ``opt``, ``phi``, ``phi3`` (and the other registered model types).
     source: the path it was read from. tokenizer: a folder for ``AutoTokenizer`` or a
     ``.gguf`` path. max_positions: longest prompt the position embeddings allow
     (None = unbounded, RoPE). decoder: causal LM. hidden_state_steps: the schedule
@@ -35,8 +35,12 @@ class ModelInfo:
     ``hidden_states[1:]`` (ALBERT with inner groups records after each outer layer).
     final_norm_in_hidden_states: HF applies the final norm to the last hidden state
     (GPT-2, GPT-Neo, Llama, Mistral, Qwen2). pad_token_id, bos_token_id: for embedding.
-    position_offset: RoBERTa's positions start at padding_idx + 1.
+    position_offset: RoBERTa's positions start at padding_idx + 1 (OPT: 2, from the same mask cumsum).
     inner_group_num: ALBERT's layers per group (unique layer u is in group u // inner_group_num).
+    embed_scale: the word embeddings are multiplied by it, in the model's dtype (Gemma: sqrt(d));
+    None = 1.
+    final_logit_softcap: logits z become c tanh(z / c) (Gemma 2's ``final_logit_softcapping``);
+    None = off.
     """
 
     family: str
@@ -51,6 +55,8 @@ class ModelInfo:
     position_offset: int = 0
     name: str = ""
     inner_group_num: int = 1          # ALBERT: unique layer u belongs to group u // inner_group_num
+    embed_scale: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
 
 
 @struct.dataclass
@@ -66,6 +72,7 @@ class Model:
 
     final_norm_scale / final_norm_bias: (d,) or None.
     lm_head: (V, d) or None (tied to ``embeddings['word']`` for decoders).
+    lm_head_bias: (V,) or None: added to the logits (Phi's ``lm_head.bias``).
     """
 
     layers: Layers
@@ -73,6 +80,7 @@ class Model:
     final_norm_scale: Optional[jax.Array] = None
     final_norm_bias: Optional[jax.Array] = None
     lm_head: Optional[jax.Array] = None
+    lm_head_bias: Optional[jax.Array] = None
     info: ModelInfo = struct.field(pytree_node=False, default=None)
 
     @property

@@ -3,7 +3,9 @@
     x0 = word[ids] (+ position[pos]) (+ token_type[0]) -> (embedding LayerNorm) -> (projection)
 
 which covers BERT/RoBERTa/DistilBERT/ALBERT (LayerNorm; ALBERT's E -> d projection),
-GPT-2/GPT-Neo (word + position) and Llama (word only). Prompts are right-padded;
+GPT-2/GPT-Neo (word + position), Llama (word only) and Gemma (word * sqrt(d), the factor
+``info.embed_scale`` rounded to float32 and then cast to the model's dtype, as
+transformers' ``ScaledWordEmbedding`` does). Prompts are right-padded;
 ``valid`` is False on padding. A prompt longer than the model's position table is an
 error (never silently truncated); an empty prompt is an error.
 """
@@ -90,6 +92,8 @@ def embed_ids(model: Model, ids, valid=None):
             f"prompt of {n} tokens is longer than the model's {info.max_positions - info.position_offset} "
             f"positions ({info.family}); shorten it (powerlens does not truncate silently)")
     x = jnp.asarray(E["word"])[jnp.asarray(np.where(valid, ids, 0))]
+    if info is not None and info.embed_scale is not None:
+        x = x * jnp.asarray(np.float32(info.embed_scale), x.dtype)
     if "position" in E:
         if info is not None and info.position_offset:
             # RoBERTa: positions count valid tokens from padding_idx + 1

@@ -4,7 +4,8 @@
         the k-th recorded block (``info.hidden_state_steps``), with the final norm applied
         to the last one where Hugging Face does (GPT-2, GPT-Neo, Llama).
     logits(model, h) -> "float[B n V]" for decoders: final norm (unless already applied) then the
-        LM head (tied to the word embeddings when ``lm_head`` is None).
+        LM head (tied to the word embeddings when ``lm_head`` is None), plus ``lm_head_bias`` if any,
+        then Gemma 2's final soft-capping z -> c tanh(z / c) when ``info.final_logit_softcap`` = c.
 """
 from __future__ import annotations
 
@@ -50,4 +51,7 @@ def logits(model: Model, h: "float[B n d]", *, normed: bool = False) -> "float[B
     if not normed:
         h = final_norm(model, h)
     W = model.lm_head if model.lm_head is not None else model.embeddings["word"]
-    return h @ jnp.asarray(W).T
+    out = h @ jnp.asarray(W).T
+    out = out if model.lm_head_bias is None else out + model.lm_head_bias
+    cap = model.info.final_logit_softcap if model.info is not None else None
+    return out if cap is None else cap * jnp.tanh(out / cap)

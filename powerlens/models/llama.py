@@ -18,6 +18,13 @@ Grouped-query attention: query head h uses key/value head ``h // (H/G)`` (HF
 base ``rope_theta`` on the whole head (e = ``head_dim``, which may differ from d/H).
 Scaled RoPE variants (``rope_scaling`` / ``rope_parameters`` with a ``rope_type`` other
 than ``default``) are rejected with an error naming them.
+
+The same block with the decoder refinements of later families (Qwen3, Gemma 1/2/3, see
+:mod:`powerlens.models.gemma`, :mod:`powerlens.models.qwen3`) is read by the same
+:func:`convert_hf_llama`: per-head q/k norms and sandwich norms (``norms``, from
+:data:`QK_NORMS` and :data:`SANDWICH_NORMS`), renamed tensors, a softmax ``scale``, soft-capping,
+per-layer RoPE bases, and ``norm_offset`` (Gemma's RMSNorm multiplies by 1 + w: the stored
+scale is w + 1, so powerlens' plain RMSNorm computes the same).
 """
 from __future__ import annotations
 
@@ -47,36 +54,51 @@ LLAMA_ONLY = {"rope_interleaved": (False,)}
 
 ATTENTION_BIASES = ("b_q", "b_k", "b_v", "b_o")
 MLP_BIASES = ("b_in", "b_out")
+QK_NORMS = ("q_norm_scale", "k_norm_scale")                     # per-head RMSNorm of q, k (Qwen3, Gemma 3)
+SANDWICH_NORMS = ("post_attn_norm_scale", "post_ffn_norm_scale")  # Gemma 2/3
+NORM_KEYS = ("norm_scale", "ffn_norm_scale") + QK_NORMS + SANDWICH_NORMS
 
 
-def llama_shapes(d: int, H: int, G: int, e: int, f: int, *, biases: Collection[str] = ()):
+def llama_shapes(d: int, H: int, G: int, e: int, f: int, *, biases: Collection[str] = (),
+                 norms: Collection[str] = ()):
     """Per-layer shapes of the stacked arrays of a Llama block; ``biases``: which of
-    :data:`ATTENTION_BIASES` and :data:`MLP_BIASES` the checkpoint has."""
+    :data:`ATTENTION_BIASES` and :data:`MLP_BIASES` the checkpoint has; ``norms``: which of
+    :data:`QK_NORMS` and :data:`SANDWICH_NORMS`."""
     shapes = {"W_q": (H, e, d), "W_k": (G, e, d), "W_v": (G, e, d), "W_o": (d, H * e),
               "norm_scale": (d,), "ffn_norm_scale": (d,), "W_gate": (f, d), "W_in": (f, d), "W_out": (d, f)}
     every = {"b_q": (H, e), "b_k": (G, e), "b_v": (G, e), "b_o": (d,), "b_in": (f,), "b_out": (d,)}
+    extra = {"q_norm_scale": (e,), "k_norm_scale": (e,), "post_attn_norm_scale": (d,), "post_ffn_norm_scale": (d,)}
     unknown = set(biases) - set(every)
     if unknown:
         raise ValueError(f"unknown bias keys {sorted(unknown)}")
+    if set(norms) - set(extra):
+        raise ValueError(f"unknown norm keys {sorted(set(norms) - set(extra))}")
     shapes.update({k: every[k] for k in every if k in biases})
+    shapes.update({k: extra[k] for k in extra if k in norms})
     return shapes
 
 
 def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_norm, head,
-                info: ModelInfo, window=0) -> Model:
+                info: ModelInfo, window=0, scale=None, attn_softcap=None, rope_base=None) -> Model:
     """Assemble a :class:`Model` from filled Llama stacked arrays (HF or GGUF source).
 
     ``window``: the local attention window of every layer, an int or one per layer (0 =
     global; Mistral / Qwen2 sliding windows). The family name is ``info.family``.
+    ``scale``: the softmax scale (default e^-1/2; Gemma: ``query_pre_attn_scalar``^-1/2);
+    ``attn_softcap``: Gemma 2's attention-logit cap; ``rope_base``: one RoPE base per layer
+    (Gemma 3), ``theta`` then being the global layers' base.
     ``mlp_bias`` biases are stored as ``b_in`` (up_proj) and ``b_out`` (down_proj); the
     FFN of powerlens has no gate bias, so a non-zero ``gate_proj.bias`` is rejected.
     """
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=eps,
                       norm_placement="pre", rope_theta=float(theta), rope_dim=None, ffn_activation=act,
-                      family=info.family)
+                      family=info.family, attn_softcap=attn_softcap)
     arrays = stack.finish()
+    if rope_base is not None:
+        arrays["rope_base"] = np.asarray(rope_base, stack.dtype)
     layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
-                         scale=e ** -0.5, window=np.asarray(window, np.int32), config=cfg, **arrays)
+                         scale=e ** -0.5 if scale is None else scale, window=np.asarray(window, np.int32),
+                         config=cfg, **arrays)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_norm, final_norm_bias=None,
                  lm_head=head, info=info)
 
@@ -101,9 +123,10 @@ def check_rope_head_size(e: int, source: str, key: str) -> None:
         raise CheckpointError(f"{source}: {key} gives an odd head size {e}; RoPE needs an even one")
 
 
-def llama_info(*, source, tokenizer, max_positions, pad, bos, name, family: str = "llama") -> ModelInfo:
+def llama_info(*, source, tokenizer, max_positions, pad, bos, name, family: str = "llama", **extra) -> ModelInfo:
+    """``extra``: further :class:`ModelInfo` fields (``embed_scale``, ``final_logit_softcap``)."""
     return ModelInfo(family=family, source=source, tokenizer=tokenizer, max_positions=max_positions, decoder=True,
-                     final_norm_in_hidden_states=True, pad_token_id=pad, bos_token_id=bos, name=name)
+                     final_norm_in_hidden_states=True, pad_token_id=pad, bos_token_id=bos, name=name, **extra)
 
 
 class Sizes(NamedTuple):
@@ -117,13 +140,14 @@ class Sizes(NamedTuple):
     V: int
 
 
-def hf_sizes(config: dict, src: str) -> Sizes:
-    """d, H, G, e (``head_dim``, default d / H), L, f, V of a Llama / Mistral / Qwen2 config:
-    each a positive integer, H a multiple of G, e even (errors name the file and the key)."""
+def hf_sizes(config: dict, src: str, head_dim_default=None) -> Sizes:
+    """d, H, G, e (``head_dim``, default ``head_dim_default`` or d / H), L, f, V of a Llama /
+    Mistral / Qwen2 config: each a positive integer, H a multiple of G, e even (errors name the
+    file and the key)."""
     d, H, L, f, V = require_all(config, src, d="hidden_size", H="num_attention_heads", L="num_hidden_layers",
                                 f="intermediate_size", V="vocab_size")
     G = require(config, "num_key_value_heads", src, default=H)
-    e = require(config, "head_dim", src, default=d // H)
+    e = require(config, "head_dim", src, default=d // H if head_dim_default is None else head_dim_default)
     if H % G:
         raise CheckpointError(f"{src}: num_attention_heads={H} is not a multiple of num_key_value_heads={G}")
     check_rope_head_size(e, src, "head_dim (or hidden_size / num_attention_heads)")
@@ -147,39 +171,58 @@ HF_TENSORS = {
     "W_out": ("mlp.down_proj.weight", lambda s: (s.d, s.f)),
     "b_in": ("mlp.up_proj.bias", lambda s: (s.f,)),
     "b_out": ("mlp.down_proj.bias", lambda s: (s.d,)),
+    "q_norm_scale": ("self_attn.q_norm.weight", lambda s: (s.e,)),
+    "k_norm_scale": ("self_attn.k_norm.weight", lambda s: (s.e,)),
 }
 
 
 def convert_hf_llama(config: dict, reader, dtype, name: str, *, family: str, biases: Collection[str] = (),
-                     window=0, default_tied: bool = False) -> Model:
-    """A Hugging Face Llama-style folder (Llama, Mistral, Qwen2) as a :class:`Model`.
+                     window=0, default_tied: bool = False, norms: Collection[str] = (), tensors=None,
+                     norm_offset: float = 0.0, act_key: str = "hidden_act", act_default: str = "silu",
+                     head_dim_default=None, theta=None, scale=None, attn_softcap=None, rope_base=None,
+                     info_extra=None) -> Model:
+    """A Hugging Face Llama-style folder (Llama, Mistral, Qwen2, Qwen3, Gemma 1/2/3) as a :class:`Model`.
 
     The caller has checked ``config.json`` against its family's allow-list; ``biases``:
     the stacked bias keys the family's checkpoints carry (:data:`ATTENTION_BIASES`,
-    :data:`MLP_BIASES`); ``window``: per-layer local windows (0 = global).
+    :data:`MLP_BIASES`); ``window``: per-layer local windows (0 = global); ``norms``: the
+    extra norm keys (:data:`QK_NORMS`, :data:`SANDWICH_NORMS`); ``tensors``: stacked key ->
+    (tensor name, stored shape) overriding :data:`HF_TENSORS` (Gemma 2/3 name their norms
+    differently); ``norm_offset``: added to every stored norm weight, the final norm included
+    (Gemma: 1, for its (1 + w) RMSNorm); ``act_key`` / ``act_default``: where the activation
+    is named; ``head_dim_default``: the family's ``head_dim`` when the config has none (else
+    d / H); ``theta``: the RoPE base when the caller has read it (else :func:`rope_theta`);
+    ``scale``, ``attn_softcap``, ``rope_base``: see :func:`llama_model`; ``info_extra``:
+    further :class:`ModelInfo` fields.
     """
     src = config_file(reader)
-    s = hf_sizes(config, src)
-    act = activation(config, "hidden_act", src, "silu", GLU_ACTIVATIONS)
-    theta = rope_theta(config, src)
+    s = hf_sizes(config, src, head_dim_default)
+    act = activation(config, act_key, src, act_default, GLU_ACTIVATIONS)
+    theta = rope_theta(config, src) if theta is None else theta
     eps = require(config, "rms_norm_eps", src, kind=float, default=1e-6)
     check_layer_count(s.L, "num_hidden_layers", reader.names(), "layers.", src)
-    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases), reader.folder)
+    table = dict(HF_TENSORS, **(tensors or {}))
+    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases, norms=norms), reader.folder)
     for key in st.shapes:
-        tensor, stored = HF_TENSORS[key]
+        tensor, stored = table[key]
         for i in range(s.L):
             st.read(key, i, reader, f"layers.{i}.{tensor}", stored(s))
+        if norm_offset and key in NORM_KEYS:
+            np.add(st[key], norm_offset, out=st[key])          # in place: w + 1 for Gemma's (1 + w)
     if "b_in" in biases:
         reject_gate_bias(reader, s)
     folder = reader.folder
     info = llama_info(source=folder, tokenizer=tokenizer_folder(folder),
                       max_positions=require(config, "max_position_embeddings", src, default=None),
-                      pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name, family=family)
+                      pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name, family=family,
+                      **(info_extra or {}))
     tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"},
                            {"word": (s.V, s.d), "norm": (s.d,)})
+    final = tensors["norm"] + norm_offset if norm_offset else tensors["norm"]
     return llama_model(st, d=s.d, H=s.H, G=s.G, e=s.e, eps=eps, theta=theta, act=act,
-                       embeddings={"word": tensors["word"]}, final_norm=tensors["norm"],
-                       head=lm_head(config, reader, (s.V, s.d), default_tied=default_tied), info=info, window=window)
+                       embeddings={"word": tensors["word"]}, final_norm=final,
+                       head=lm_head(config, reader, (s.V, s.d), default_tied=default_tied), info=info, window=window,
+                       scale=scale, attn_softcap=attn_softcap, rope_base=rope_base)
 
 
 def reject_gate_bias(reader, s: Sizes) -> None:
