@@ -35,7 +35,7 @@ def _system(args):
         x0 = x0[None] if x0.ndim == 2 else x0
         return layers, None, x0, np.ones(x0.shape[:2], bool), None
     if not args.model:
-        raise ValueError("give MODEL (a path, hub id, minilm or smollm2) or --weights system.npz --init x0.npy")
+        raise ValueError("give MODEL (a path, hub id, minilm, smollm2 or gemma3) or --weights system.npz --init x0.npy")
     from ..models import embed, load
     from .models import read_prompts
     texts = read_prompts(args)

@@ -75,6 +75,8 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import struct
+import sys
 from typing import List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
@@ -112,7 +114,12 @@ def _reader_class():
         params = list(inspect.signature(base._get).parameters)
     except (AttributeError, TypeError, ValueError):
         return base
-    if params[:5] != ["self", "offset", "dtype", "count", "override_order"]:
+    try:
+        field_params = list(inspect.signature(base._get_field_parts).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return base
+    if params[:5] != ["self", "offset", "dtype", "count", "override_order"] or \
+            field_params != ["self", "orig_offs", "raw_type"]:
         return base
 
     class _PlainViewReader(base):
@@ -127,6 +134,44 @@ def _reader_class():
                                  f"of the file ({plain.shape[0]} bytes)")
             arr = plain[offset:offset + itemsize * count].view(dtype=dtype)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            """Arrays in bulk: a scalar array is one part (``contents()`` reads it the same),
+            a string array is walked with ``struct`` (Gemma's 262,144-token vocabulary: about
+            0.5 s instead of 20 s); anything else as the stock reader does."""
+            if raw_type != gguf.GGUFValueType.ARRAY:
+                return base._get_field_parts(self, orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            try:
+                sub = gguf.GGUFValueType(itype)
+            except ValueError:
+                return base._get_field_parts(self, orig_offs, raw_type)
+            nptype = self.gguf_scalar_to_np.get(sub)
+            types = [gguf.GGUFValueType.ARRAY] + ([sub] if n else [])
+            if nptype is not None:
+                vals = self._get(offs, nptype, n)
+                return 12 + int(vals.nbytes), [raw_itype, alen, vals], [2], types
+            if sub != gguf.GGUFValueType.STRING:
+                return base._get_field_parts(self, orig_offs, raw_type)
+            self._get(orig_offs, np.uint8)                       # makes the plain view
+            plain = self.__dict__["_plain"]
+            swapped = (self.byte_order == "S") == (sys.byteorder == "little")
+            fmt, u64 = (">Q" if swapped else "<Q"), np.dtype(np.uint64).newbyteorder(self.byte_order)
+            size, parts, idxs, unpack = plain.shape[0], [raw_itype, alen], [], struct.unpack_from
+            for _ in range(n):
+                if offs + 8 > size:
+                    raise ValueError(f"a string at offset {offs} runs past the end of the file ({size} bytes)")
+                (ln,) = unpack(fmt, plain, offs)
+                if offs + 8 + ln > size:
+                    raise ValueError(f"a string of {ln} bytes at offset {offs} runs past the end of the file "
+                                     f"({size} bytes)")
+                parts.append(plain[offs:offs + 8].view(u64))
+                parts.append(plain[offs + 8:offs + 8 + ln])
+                idxs.append(len(parts) - 1)
+                offs += 8 + ln
+            return offs - orig_offs, parts, idxs, types
 
     return _PlainViewReader
 

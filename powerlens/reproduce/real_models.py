@@ -20,7 +20,7 @@ from ..analysis.alignment import align_model, model_spectra
 from ..analysis.experiment import StepMeasures, plot_measures
 from .section import SectionResult, Table, verdict_from
 
-DEFAULT_MODELS = ["minilm", "smollm2"]
+DEFAULT_MODELS = ["minilm", "smollm2", "gemma3"]
 PAPER_MODELS = ["albert-base-v2", "albert-large-v2", "albert-xlarge-v2", "albert-xxlarge-v2",
                 "bert-base-uncased", "gpt2", "EleutherAI/gpt-neo-125m"]
 

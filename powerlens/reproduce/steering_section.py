@@ -1,4 +1,4 @@
-"""Section 7: steering the last layer toward a chosen direction u, on MiniLM and SmolLM2.
+"""Section 7: steering the last layer toward a chosen direction u, on MiniLM, SmolLM2 and Gemma 3.
 
 For each model and its token direction u (the unembedding row of a word):
   closed form   O' = O + alpha u w^T, w = V u/||V u||, alpha the smallest value that puts
@@ -17,7 +17,7 @@ from ..analysis import plots
 from .real_models import DEFAULT_MODELS, _load, _prompts, available_models
 from .section import SectionResult, Table, verdict_from
 
-WORDS = {"minilm": "king", "smollm2": "Paris"}
+WORDS = {"minilm": "king", "smollm2": "Paris", "gemma3": "Paris"}
 TARGET = 0.9
 NEUTRAL = ["The weather was mild and the streets were quiet.",
            "He read the report twice before he signed it."]
@@ -26,7 +26,6 @@ NEUTRAL = ["The weather was mild and the streets were quiet.",
 def _compute(name: str, ctx) -> dict:
     from ..models import embed
     from ..steering import minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
-    from ..steering.alpha import principal_alpha
     model = _load(name)
     texts = _prompts(ctx)
     x0, valid = embed(model, texts)
@@ -37,7 +36,7 @@ def _compute(name: str, ctx) -> dict:
     m = minimal_alpha(layers, u, x0, valid=valid, target=TARGET, w="value", signed=False)
     alpha = m.alignment.alpha
     r1 = rank1(layers, u, alpha=alpha, w="value")
-    spec = principal_alpha(layers, u, w="value", rtol=1e-4)
+    spec = m.principal                     # (a) spectral, computed by minimal_alpha with the same w and cos_tol
     opt = optimize_steering(layers, x0, u, valid=valid, target=TARGET, reduce="min", param="lowrank", rank=1,
                             w="value", steps=150 if ctx.quick else 300, seed=ctx.seed, signed=False)
     neutral = NEUTRAL if model.info.decoder else None
@@ -70,7 +69,7 @@ def section_steering(ctx) -> SectionResult:
     for name in ctx.progress(names, "7 steering"):
         rows.append(ctx.store.cached(f"s7_{name}", lambda name=name: _compute(name, ctx)))
     if not rows:
-        return SectionResult("steering", "7. Steering", "", "skipped", "MiniLM and SmolLM2 are not installed.")
+        return SectionResult("steering", "7. Steering", "", "skipped", "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
     figs, table = [], []
     dec = [r for r in rows if "target_prob_mean" in r["closed"]["effects"]["conditions"]["before"]]
     for r in rows:
@@ -133,8 +132,8 @@ def section_steering(ctx) -> SectionResult:
         if "target_prob_mean" in ce["before"]:
             s += (f"; P('{r['token']}') {ce['before']['target_prob_mean']:.3f} → {ce['rank1']['target_prob_mean']:.3f} "
                   f"(rank-1) vs {ce['activation_addition']['target_prob_mean']:.3f} (activation addition), perplexity "
-                  f"{ce['before']['perplexity']:.1f} → {ce['rank1']['perplexity']:.1f} vs "
-                  f"{ce['activation_addition']['perplexity']:.1f}")
+                  f"{ce['before']['perplexity']:.4g} → {ce['rank1']['perplexity']:.4g} vs "
+                  f"{ce['activation_addition']['perplexity']:.4g}")
         parts.append(s)
     cols = ["model", "method", "‖ΔO‖", "align. rank-1 (full)", "align. act.-add.", "align. before",
             "P(target)/pooled cos before", "rank-1", "act.-add.", "ppl before", "ppl rank-1", "ppl act.-add."]

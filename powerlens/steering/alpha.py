@@ -104,37 +104,88 @@ def _principal_ok(F, u, z, alphas, cos_tol, gap_rtol):
     return real & dominant & closest & (cos >= cos_tol), lam, cos
 
 
+TOP_K = 6          # eigenpairs of largest |1 + lambda| that the fast predicate computes
+
+
+def _principal_ok_top(F, u, z, alpha: float, cos_tol, gap_rtol):
+    """P(alpha) from the TOP_K eigenpairs of largest |1 + lambda| only (ARPACK on I + F',
+    O(d^2) per iteration instead of a full O(d^3) eig): ``closest`` is then judged among
+    those TOP_K eigenvectors. None when ARPACK does not converge (the caller uses the full
+    eig). Same return as :func:`_principal_ok` for one alpha."""
+    from scipy.sparse.linalg import ArpackNoConvergence, eigs
+    d = F.shape[0]
+    M = np.eye(d) + F + alpha * np.outer(u, z)
+    try:
+        vals, vecs = eigs(M, k=TOP_K, which="LM", v0=np.full(d, 1.0 / np.sqrt(d)) + 0.5 * u, tol=0,
+                          maxiter=50 * d)
+    except ArpackNoConvergence:
+        return None
+    order = np.argsort(-np.abs(vals))
+    vals, vecs = vals[order], vecs[:, order]
+    lam = vals[0] - 1.0
+    real = abs(lam.imag) <= 1e-12 * (1.0 + abs(lam))
+    cos_all = np.abs(u @ vecs) / np.maximum(np.linalg.norm(vecs, axis=0), 1e-300)
+    ok = real and abs(vals[0]) > (1.0 + gap_rtol) * abs(vals[1]) and cos_all[0] >= cos_all.max() * (1.0 - 1e-12) \
+        and cos_all[0] >= cos_tol
+    return np.array([ok]), np.array([lam]), np.array([cos_all[0]])
+
+
 def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
                     cos_tol: float = 0.95, gap_rtol: float = 1e-9, rtol: float = 1e-7,
                     grid: int = 28) -> PrincipalAlpha:
-    """(a): the smallest alpha making u's direction principal in the shifted ordering."""
+    """(a): the smallest alpha making u's direction principal in the shifted ordering.
+
+    For d >= 64 the grid and the bisection use the top eigenpairs only
+    (:func:`_principal_ok_top`, seconds less per step on a 640-wide layer), and the result is
+    checked on the full spectrum: P must hold at the returned alpha with every eigenvector
+    considered, and fail at the bisection's lower end; otherwise the whole search is redone
+    on the full spectrum."""
     l = layer_index(layers, layer)
     u = as_direction(u, layers.config.d_model)
     cos_tol = check_target(cos_tol, "cos_tol") if cos_tol != 1.0 else 1.0
     _, V, F = host_matrices(layers, l)
     z = V.T @ choose_w(V, u, w, l)
+    full = lambda a: _principal_ok(F, u, z, a, cos_tol, gap_rtol)
+    if F.shape[0] >= 64:
+        def top(a):
+            out = [_principal_ok_top(F, u, z, float(x), cos_tol, gap_rtol) for x in np.atleast_1d(a)]
+            if any(o is None for o in out):
+                return full(a)
+            return tuple(np.concatenate(parts) for parts in zip(*out))
+        res = _principal_search(F, u, z, top, l, cos_tol, rtol, grid)
+        lo = res[1]
+        if bool(full(np.array([max(res[0].alpha, 1e-300)]))[0][0]) and (lo is None or not full(np.array([lo]))[0][0]):
+            return res[0]
+    return _principal_search(F, u, z, full, l, cos_tol, rtol, grid)[0]
+
+
+def _principal_search(F, u, z, predicate, l, cos_tol, rtol, grid):
+    """The grid-then-bisection search of :func:`principal_alpha` with ``predicate``
+    (alphas "float[G]" -> (ok, lambda_1, |cos|)); returns (result, the bisection's lower end
+    or None when it started at 0)."""
     scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(F))))
     alphas = scale * np.logspace(-4, 5, grid)  # one batched eig; then ~log2(ratio/rtol) single eigs
-    ok, _, _ = _principal_ok(F, u, z, alphas, cos_tol, gap_rtol)
+    ok, _, _ = predicate(alphas)
     if not ok[-1]:
         raise ValueError(f"u's direction is not principal (|cos| >= {cos_tol}) even at alpha={alphas[-1]:.3g} "
                          f"on layer {l}: z.u = {float(z @ u):.3g}; choose another w")
     fails = np.nonzero(~ok)[0]
     if len(fails) == 0:
         lo, hi = 0.0, alphas[0]
-        lo_ok = bool(_principal_ok(F, u, z, np.array([1e-300]), cos_tol, gap_rtol)[0][0])
+        lo_ok = bool(predicate(np.array([1e-300]))[0][0])
         if lo_ok:  # already principal without steering
             hi = 0.0
     else:
         lo, hi = alphas[fails[-1]], alphas[fails[-1] + 1]
     while hi - lo > rtol * max(hi, 1e-300) and hi > 0:
         mid = 0.5 * (lo + hi)
-        if _principal_ok(F, u, z, np.array([mid]), cos_tol, gap_rtol)[0][0]:
+        if predicate(np.array([mid]))[0][0]:
             hi = mid
         else:
             lo = mid
-    _, lam, cos = _principal_ok(F, u, z, np.array([max(hi, 1e-300)]), cos_tol, gap_rtol)
-    return PrincipalAlpha(alpha=float(hi), eigenvalue=complex(lam[0]), cos=float(cos[0]), cos_tol=cos_tol)
+    _, lam, cos = predicate(np.array([max(hi, 1e-300)]))
+    result = PrincipalAlpha(alpha=float(hi), eigenvalue=complex(lam[0]), cos=float(cos[0]), cos_tol=cos_tol)
+    return result, (lo if lo > 0 else None)
 
 
 # ------------------------------------------------------------------ (b) one-step alignment
