@@ -58,3 +58,35 @@ def test_blocked_is_differentiable_jittable_and_vmappable():
         return jnp.sum(jnp.einsum("bhij,bjhe->bihe", jax.nn.softmax(s, -1), v) ** 2)
 
     np.testing.assert_allclose(np.asarray(jax.grad(g)(q)), np.asarray(jax.grad(dense_sum)(q)), atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_run_gives_the_same_states_dense_and_blocked(causal):
+    """The whole layer scan, with RoPE, GQA, windows per layer and padded prompts: the
+    ``attention_block`` setting changes how A is computed, not the states."""
+    import dataclasses
+    import powerlens as pl
+    from powerlens.dynamics.params import LayerConfig, make_layers
+    rng = np.random.default_rng(1)
+    U, H, G, e, d, n = 3, 4, 2, 4, 16, 11
+    cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=causal, norm="l2",
+                      rope_theta=100.0 if causal else None)
+    layers = make_layers(rng.standard_normal((U, G, e, d)) / 4, rng.standard_normal((U, d, H * e)) / 4,
+                         W_q=rng.standard_normal((U, H, e, d)), W_k=rng.standard_normal((U, G, e, d)),
+                         window=np.array([0, 3, 5]), config=cfg)
+    x0 = rng.standard_normal((2, n, d)).astype(np.float32)
+    valid = np.ones((2, n), bool)
+    valid[1, 7:] = False
+    with_block = lambda b: layers.replace(config=dataclasses.replace(cfg, attention_block=b))
+    dense = np.asarray(pl.run_batch(with_block(0), x0, valid, observe=("states",))["states"])
+    for b in (None, 4, 64):
+        blocked = np.asarray(pl.run_batch(with_block(b), x0, valid, observe=("states",))["states"])
+        np.testing.assert_allclose(blocked[valid[:, None].repeat(U + 1, 1)], dense[valid[:, None].repeat(U + 1, 1)],
+                                   atol=2e-5)
+
+
+def test_attention_block_must_be_a_size():
+    from powerlens.dynamics.params import LayerConfig
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="attention_block"):
+            LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block=bad)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .blocked import DEFAULT_BLOCK, blocked_attention_mix
 from .norms import rms_norm
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
@@ -121,14 +122,36 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
     return q, k, v
 
 
+BLOCKED_ABOVE = 256
+"""Prompts longer than this many tokens use the blocked path by default (``attention_block``
+None); measured with ``benchmarks/vs_torch.py`` on this project's CPU machine (see the README)."""
+
+
+def block_size(config, n: int) -> int:
+    """Keys per block for a prompt of n tokens under ``config.attention_block`` (0 = dense)."""
+    b = config.attention_block
+    if b is None:
+        return DEFAULT_BLOCK if n > BLOCKED_ABOVE else 0
+    return int(b)
+
+
 def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     """M "float[n H e]" with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention.
 
     ``qkv``: the fused weight of :func:`qkv_weight`, precomputed by loops that reuse it.
+    Dense: head-major q, k, v "float[H n e]" and two batched matmuls around the masked
+    softmax (the layout XLA runs fastest; an einsum over the token-major arrays inserts a
+    transpose per operand). By key blocks (:func:`block_size` > 0): the online softmax of
+    :func:`powerlens.dynamics.blocked.blocked_attention_mix`, O(n * block) memory.
     """
     q, k, v = _softmax_qkv(lp, X, positions, qkv)
-    A = masked_softmax(lp, jnp.einsum("ihe,jhe->hij", q, k), valid)     # (H, n, n)
-    return jnp.einsum("hij,jhe->ihe", A, v)
+    block = block_size(lp.config, X.shape[0])
+    if block:
+        return blocked_attention_mix(q, k, v, valid, scale=lp.scale, causal=lp.config.causal, window=lp.window,
+                                     cap=lp.config.attn_softcap, block=block)
+    q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))                # (H, n, e)
+    A = masked_softmax(lp, q @ jnp.swapaxes(k, -1, -2), valid)          # (H, n, n)
+    return jnp.swapaxes(A @ v, 0, 1)
 
 
 def uniform_weights(n: int, valid, causal: bool, dtype=jnp.float32):

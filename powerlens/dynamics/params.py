@@ -68,6 +68,12 @@ class LayerConfig:
       parallel_residual: the ``full`` block of a ``pre`` model is parallel (GPT-NeoX with
         ``use_parallel_residual``, Phi): X + attn(LN1 X) + FFN(LN2 X), LN2 the ``ffn_norm``
         (absent: the one shared ``norm``, as in Phi).
+      attention_block: how softmax attention is computed (the numbers are the same to float
+        rounding): ``None`` (default) dense for prompts of at most
+        :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE` tokens and by key blocks of
+        :data:`~powerlens.dynamics.blocked.DEFAULT_BLOCK` above; ``0`` always dense (the
+        whole "float[H n n]" score tensor); ``k > 0`` always by blocks of k keys (online
+        softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`).
     """
 
     d_model: int
@@ -85,6 +91,7 @@ class LayerConfig:
     family: str = "synthetic"
     attn_softcap: Optional[float] = None
     parallel_residual: bool = False
+    attention_block: Optional[int] = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -117,6 +124,10 @@ class LayerConfig:
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
+        if self.attention_block is not None and (isinstance(self.attention_block, (bool, np.bool_)) or not isinstance(
+                self.attention_block, (int, np.integer)) or self.attention_block < 0):
+            raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense) or a positive "
+                             f"block size, got {self.attention_block!r}")
 
     @property
     def kv_group(self) -> int:
