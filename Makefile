@@ -43,6 +43,10 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/simulate.py
 	$(PY) benchmarks/steering.py
 	$(PY) benchmarks/models.py
+	$(PY) benchmarks/vs_torch.py
+	$(PY) benchmarks/memory.py --json /tmp/powerlens-memory.json
+	$(PY) benchmarks/sweep.py
+	$(PY) benchmarks/tokenizer.py
 
 clean:
 	rm -rf $(VENV) results

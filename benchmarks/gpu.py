@@ -1,4 +1,4 @@
-"""Workloads A-D of ``benchmarks/vs_torch.py`` on whatever device JAX sees (GPU, TPU or CPU),
+"""Workloads A-E of ``benchmarks/vs_torch.py`` on whatever device JAX sees (GPU, TPU or CPU),
 powerlens only, timings written to a JSON file. One short script, meant to be run once on a
 lent accelerator machine:
 
@@ -9,6 +9,8 @@ lent accelerator machine:
     B  MiniLM layer 3 iterated T = 1,000 times (1 x 32 tokens)
     C  jax.grad of mean gamma w.r.t. the last W_o through all MiniLM layers
     D  the synthetic sweep of benchmarks/simulate.py (256 systems, T = 200)
+    E  gradient steering of MiniLM's last layer over 64 directions, 200 Adam steps: the
+       vmapped optimiser alone (solve_many_jit) and end to end (optimize_steering)
 
 Each entry holds the best of ``--repeat`` timed calls after a compiling warm-up, and the
 compile time of that warm-up. torch is not needed.
@@ -50,6 +52,28 @@ def tokens(model, B, n, seed=0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, min(model.embeddings["word"].shape[0], 20000), size=(B, n))
     return pl.embed_ids(model, ids, np.ones((B, n), bool))
+
+
+def steering_problem(model, K, steps):
+    """Workload E (the problem of benchmarks/steering.py and of vs_torch.py's workload E): the
+    vmapped optimiser alone on the prepared problem, and the public API end to end."""
+    from powerlens.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens.steering.rank1 import host_matrices
+    L = model.layers
+    x0, valid = pl.embed(model, ["The cat sat quietly on the warm windowsill.",
+                                 "Power iteration finds the dominant eigenvector of a matrix."])
+    D = np.random.default_rng(0).standard_normal((K, L.config.d_model))
+    D /= np.linalg.norm(D, axis=1, keepdims=True)
+    X, vb, tail, l, kb = prepare_problem(L, x0, valid)
+    R = jnp.asarray(host_matrices(L, l)[1], jnp.float32)
+    pm = last_layer_terms(L, X, vb, l, kb, "softmax", None) if tail == (l,) else None
+    U, keys = jnp.asarray(D, jnp.float32), jax.random.split(jax.random.PRNGKey(0), K)
+    opt = dict(target=0.9, reduce="min", param="lowrank", rank=1, steps=steps, lr=1e-2, mu=100.0, dual_every=10,
+               tol=1e-4, signed=False)
+    kw = dict(opt, layer=l, tail=tail, rule="paper", attention="softmax", keep_bias=kb, w_kind="value")
+    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, **kw)
+    api = lambda: pl.optimize_steering(L, x0, D, valid=valid, w="value", **opt)
+    return solve, api
 
 
 def main(argv=None):
@@ -104,6 +128,13 @@ def main(argv=None):
     sweep = jax.jit(lambda lay, x, s: jax.vmap(lambda a, b, c: pl.simulate(a, b, c))(lay, x, s))
     add(workload="D", model=f"{S} synthetic systems", size=f"{S}x32", what=f"T={T}",
         **timed(lambda: sweep(stacked, X0, ssubs), args.repeat))
+
+    K, steps = (8, 20) if args.tiny else (64, 200)
+    solve, api = steering_problem(minilm, K, steps)
+    add(workload="E", model="minilm last layer", size=f"{K} dirs", what=f"solve {steps} Adam steps",
+        **timed(solve, args.repeat))
+    add(workload="E", model="minilm last layer", size=f"{K} dirs", what=f"api {steps} Adam steps",
+        **timed(lambda: api().norm, args.repeat))
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=2)
     print(f"wrote {args.out}")

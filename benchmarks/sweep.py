@@ -11,7 +11,9 @@ results.parquet written; no figures).
 
 1. one device (``--xla_force_host_platform_device_count=1``);
 2. all host devices of one process (``--xla_force_host_platform_device_count=N``, N = cores);
-3. 2 processes x 1 device (jax.distributed on 127.0.0.1, gloo collectives);
+3. 2 processes x 1 device (jax.distributed on 127.0.0.1, gloo collectives), each worker's XLA
+   single-threaded as ``powerlens sweep --processes 2`` runs them on 2 cores
+   (:func:`powerlens.sweeps.distributed.worker_env`);
 4. the hand-tuned variant of benchmarks/simulate.py (one ``jit(shard_map(lax.map(vmap(simulate))))``
    call over the N host devices, chunks of 8, systems prebuilt on the host, not timed) on
    ``--kernel-systems`` systems of the same shapes, in the process of (2): systems per
@@ -61,7 +63,8 @@ def worker(args) -> dict:
     from powerlens.sweeps.spec import load_spec
     spec = load_spec(spec_of(args, args.systems))
     chunk = Engine(spec, None, progress=False).chunks[0].size
-    tmp = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
+    # the processes of one group share the folder the launcher made (every one writes its chunks there)
+    tmp = args.tmp if args.coordinator else tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
     warm_spec = spec_of(args, chunk * jax.process_count())
     warm_spec["run"]["chunk_size"] = chunk                      # the timed run's chunk shape: compiled once
     warm, _ = timed_sweep(warm_spec, os.path.join(tmp, "warm"))
@@ -74,7 +77,8 @@ def worker(args) -> dict:
         out.update(kernel(args))
     if jax.process_index() == 0:
         print("RESULT " + json.dumps(out), flush=True)
-    shutil.rmtree(tmp, ignore_errors=True) if jax.process_index() == 0 else None
+    if not args.coordinator:                   # a group's shared folder is removed by the launcher
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -142,9 +146,18 @@ def _launch(args, extra, devices, n=1):
     else:
         from powerlens.sweeps.distributed import free_port
         addr = f"127.0.0.1:{free_port()}"
+        shared = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
+        at = base.index("--tmp") + 1
+        base = base[:at] + [shared] + base[at + 1:]
+        from powerlens.sweeps.distributed import worker_env
+        env = worker_env(n)                         # what `powerlens sweep --processes n` gives its workers
+        env.update({k: v for k, v in _env(devices).items() if k != "XLA_FLAGS"})
+        env["XLA_FLAGS"] = (_env(devices)["XLA_FLAGS"] + " " + worker_env(n).get("XLA_FLAGS", "")).strip()
         procs = [subprocess.Popen(base + ["--coordinator", addr, "--num-processes", str(n), "--process-id", str(i)],
-                                  stdout=subprocess.PIPE, text=True, env=_env(devices)) for i in range(n)]
+                                  stdout=subprocess.PIPE, text=True, env=env) for i in range(n)]
     outs = [p.communicate()[0] for p in procs]
+    if n > 1:
+        shutil.rmtree(shared, ignore_errors=True)
     if any(p.returncode for p in procs):
         raise SystemExit(f"a benchmark worker failed: {[p.returncode for p in procs]}")
     line = next(l for o in outs for l in o.splitlines() if l.startswith("RESULT "))

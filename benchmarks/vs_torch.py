@@ -17,6 +17,13 @@ that the two agree, then times each side (best of ``--repeat`` after a warm-up; 
        ``jax.grad`` against torch autograd.
     D  the sweep of ``benchmarks/simulate.py`` (S synthetic systems, d = 64, n = 32, 4 heads,
        T = 200, every measure) against the same maths in batched torch (bmm over systems).
+    E  gradient steering (``benchmarks/steering.py``'s problem: MiniLM's last layer, rank-1
+       ``lowrank``, worst-token |cos| >= 0.9, 200 Adam steps) over 64 directions: the vmapped
+       optimiser (``solve_many_jit``; and end to end ``pl.optimize_steering``) against the same
+       steps batched over the directions in torch (one (64, ...) tensor per parameter,
+       ``torch.optim.Adam`` with the same hyper-parameters and a ``LambdaLR`` equal to optax's
+       cosine decay). Equality: float64 on both sides over the first 40 steps, and float32
+       at full length read against float32's own spread (see ``workload_e``).
 
 Run ``python benchmarks/vs_torch.py`` (add ``--tiny`` for the small configuration the test
 suite runs, ``--only A,B`` to pick workloads). The matmul ceiling (a 2048^3 float32 matmul in
@@ -78,7 +85,7 @@ def torch_layers(layers):
     """The unique layers' arrays as torch tensors, one dict per layer."""
     names = [k for k in layers.__dataclass_fields__ if k != "config"]
     arrs = {k: np.asarray(getattr(layers, k)) for k in names if getattr(layers, k) is not None}
-    return [{k: torch.from_numpy(np.ascontiguousarray(v[u])) for k, v in arrs.items()}
+    return [{k: torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
             for u in range(layers.n_unique)]
 
 
@@ -215,7 +222,7 @@ def prompts(model, B, n, seed=0):
     if B > 1:
         valid[-1, n // 2:] = False                                   # one padded prompt
     x0, v = pl.embed_ids(model, ids, valid)
-    return np.asarray(x0), np.asarray(v)
+    return np.array(x0), np.array(v)                                  # writable: torch.from_numpy
 
 
 def workload_a(models, sizes, repeat, report):
@@ -225,7 +232,7 @@ def workload_a(models, sizes, repeat, report):
         params = torch_layers(L)
         spectra = pl.layer_spectra(np.asarray(pl.layer_matrices(L)))
         subs = pl.reference_subspaces(spectra)
-        tsubs = (torch.from_numpy(np.asarray(subs.basis)), torch.from_numpy(np.asarray(subs.dim)))
+        tsubs = (torch.from_numpy(np.array(subs.basis)), torch.from_numpy(np.array(subs.dim)))
         sched = list(L.schedule)
         for B, n in sizes.get(name, sizes["*"]):
             x0, valid = prompts(model, B, n)
@@ -325,15 +332,15 @@ def workload_d(S, T, repeat, report):
     run = jax.jit(lambda lay, x, s: jax.vmap(lambda l1, x1, s1: pl.simulate(l1, x1, s1))(lay, x, s))
     tr = run(stacked, X0, subs)
     # torch: bmm over the S systems (one shared layer each), the same measures
-    Wq, Wk, Wv, Wo = (torch.from_numpy(np.asarray(getattr(stacked, k))[:, 0]) for k in ("W_q", "W_k", "W_v", "W_o"))
-    scale = torch.from_numpy(np.asarray(stacked.scale)[:, 0])
-    basis = torch.from_numpy(np.asarray(subs.basis)[:, 0])             # (S, m, d, k)
-    dims = torch.from_numpy(np.asarray(subs.dim)[:, 0])                # (S, m)
+    Wq, Wk, Wv, Wo = (torch.from_numpy(np.array(getattr(stacked, k))[:, 0]) for k in ("W_q", "W_k", "W_v", "W_o"))
+    scale = torch.from_numpy(np.array(stacked.scale)[:, 0])
+    basis = torch.from_numpy(np.array(subs.basis)[:, 0])             # (S, m, d, k)
+    dims = torch.from_numpy(np.array(subs.dim)[:, 0])                # (S, m)
     valid_t = torch.ones(S, n, dtype=torch.bool)
     e = Wq.shape[2]
 
     def torch_sweep():
-        X = torch.from_numpy(np.asarray(X0))
+        X = torch.from_numpy(np.array(X0))
         out = []
         for _ in range(T):
             q = torch.einsum("snd,shed->shne", X, Wq)
@@ -358,6 +365,272 @@ def workload_d(S, T, repeat, report):
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
 
+# --------------------------------------------------------------------------- workload E
+
+E_SENTENCES = ["The cat sat quietly on the warm windowsill.",
+               "Power iteration finds the dominant eigenvector of a matrix."]
+
+
+def e_config(steps):
+    """The optimiser of ``benchmarks/steering.py``: MiniLM's last layer, rank-1 ``lowrank``, sign-free
+    worst-token alignment 0.9, w from the value map, Adam with a cosine decay, augmented Lagrangian."""
+    return dict(target=0.9, reduce="min", signed=False, rank=1, steps=steps, lr=1e-2, mu=100.0, dual_every=10,
+                tol=1e-4, lr_floor=0.05, bisect_iters=40)
+
+
+def torch_row_basis(rows, tol=1e-10):
+    """Orthonormal basis (dim, k) of the span of ``rows`` (float64 SVD), as powerlens's ``_row_basis``."""
+    _, sv, Vt = torch.linalg.svd(rows.to(torch.float64), full_matrices=False)
+    k = max(int((sv > tol * sv[0]).sum()), 1)
+    return Vt[:k].T
+
+
+def torch_steer_problem(cfg, params, sched, tx, tv):
+    """The torch user's preparation: the tokens entering the last layer (every earlier layer, paper rule,
+    SDPA), that layer's pre-norm output p = X + Attn(X) (B, n, d) and head mix m (B, n, H e) (Attn = m W_o^T),
+    the bases of span(p_i) and span(m_i) over the valid tokens, and V_cat (H e, d)."""
+    X = torch_run(cfg, params, sched[:-1], tx, tv, "paper")[-1]
+    p_last = params[sched[-1]]
+    He = p_last["W_o"].shape[1]
+    mix = dict(p_last, W_o=torch.eye(He))
+    rope = rope_tables(X.shape[1], cfg.d_head, cfg.rope_theta) if cfg.rope_theta else None
+    m = torch_attention(mix, X, torch_mask(cfg, tv), cfg, rope, False)
+    p = X + m @ p_last["W_o"].T
+    Bp = torch_row_basis(p[tv]).to(p.dtype)
+    Bm = torch_row_basis(m[tv]).to(p.dtype)
+    G = cfg.n_kv_heads
+    V = p_last["W_v"].repeat_interleave(cfg.n_heads // G, dim=0).reshape(He, -1)
+    return p, m, Bp, Bm, V
+
+
+def torch_steer(p, m, valid, Bp, Bm, R, U, P0noise, Q0noise, *, target, reduce, signed, rank, steps, lr, mu,
+                dual_every, tol, lr_floor, bisect_iters):
+    """powerlens's ``solve_one`` (param ``lowrank``, w ``value``, the reduced problem of a last
+    paper-rule layer), batched over the K directions U (K, d) in one tensor, with ``torch.optim.Adam``
+    (b1 0.9, b2 0.999, eps 1e-8, as optax.adam) and a ``LambdaLR`` cosine decay equal to
+    ``optax.cosine_decay_schedule(lr, steps, alpha=lr_floor)``. The K problems are independent, so
+    one backward of the sum of their losses gives each its own gradient."""
+    K = U.shape[0]
+    B, n, _ = p.shape
+    f = dict(dtype=p.dtype)                                              # float32, or float64 for the check
+    inf = torch.tensor(float("inf"), **f)
+    w_cf = U @ R.T                                                       # (K, H e)
+    w_cf = w_cf / w_cf.norm(dim=-1, keepdim=True)
+    pu = torch.einsum("bnd,kd->kbn", p, U)                               # (K, B, n)
+    pp = (p * p).sum(-1)                                                 # (B, n)
+    c_u = U @ Bp                                                         # (K, k_p)
+    q = U - c_u @ Bp.T
+    nq = q.norm(dim=-1)
+    big = nq > 1e-6
+    q_hat = torch.where(big[:, None], q / torch.where(big, nq, torch.ones_like(nq))[:, None], torch.zeros_like(q))
+    p_red = torch.cat([p @ Bp, torch.zeros(B, n, 1, **f)], -1)               # (B, n, k_p + 1)
+    m_red = m @ Bm                                                       # (B, n, k_m)
+    u_red = torch.cat([c_u, nq[:, None]], -1)                            # (K, k_p + 1)
+
+    def align_cos(yu, yy):
+        cos = yu / yy.sqrt()
+        cos = cos if signed else cos.abs()
+        if reduce == "mean":
+            w = valid.to(cos.dtype)
+            return (cos * w).sum((1, 2)) / w.sum().clamp(min=1.0)
+        return torch.where(valid, cos, inf).amin((1, 2))
+
+    mw = torch.einsum("bne,ke->kbn", m, w_cf)
+
+    def ray(log_a):
+        c = log_a.exp()[:, None, None] * mw
+        return align_cos(pu + c, pp + 2.0 * c * pu + c * c)
+
+    with torch.no_grad():                                               # closed form at the target: bisection
+        lo, hi = torch.full((K,), -14.0, **f), torch.full((K,), 14.0, **f)
+        cf_feasible = ray(hi) >= target
+        for _ in range(bisect_iters):
+            mid = 0.5 * (lo + hi)
+            ok = ray(mid) >= target
+            lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
+        n0 = hi.exp() * w_cf.norm(dim=-1)
+        cf_align = ray(hi)
+        w0 = (w_cf / w_cf.norm(dim=-1, keepdim=True)) @ Bm                # (K, k_m)
+        P0, Q0 = P0noise.clone(), Q0noise.clone()
+        P0[:, :, 0], Q0[:, :, 0] = u_red, w0
+
+    def align_lowrank(P, Q):
+        a = n0[:, None, None, None] * torch.einsum("bnm,kmr->kbnr", m_red, Q)
+        Pu = (P * u_red[:, :, None]).sum(1)                             # (K, r)
+        G = torch.einsum("kir,kis->krs", P, P)
+        yu = pu + (a * Pu[:, None, None, :]).sum(-1)
+        aG = torch.einsum("kbnr,krs->kbns", a, G)
+        yy = pp + 2.0 * (a * torch.einsum("bni,kir->kbnr", p_red, P)).sum(-1) + (aG * a).sum(-1)
+        return align_cos(yu, yy)
+
+    def objective(P, Q, lam):
+        N = (torch.einsum("kir,kis->krs", P, P) * torch.einsum("kir,kis->krs", Q, Q)).sum((1, 2))
+        a = align_lowrank(P, Q)
+        g = target - a
+        L = N + (torch.maximum(torch.zeros_like(g), lam + mu * g).square() - lam * lam) / (2.0 * mu)
+        return L, a, N
+
+    P = P0.clone().requires_grad_(True)
+    Q = Q0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([P, Q], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    decay = lambda i: (1 - lr_floor) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)) + lr_floor
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    lam = torch.zeros(K, **f)
+    hist_a, hist_N = [], []
+    best_P, best_Q = P0.clone(), Q0.clone()
+    best_N, best_a = torch.full((K,), float("inf"), **f), torch.full((K,), -float("inf"), **f)
+    for i in range(steps):
+        L, a, N = objective(P, Q, lam)
+        hist_a.append(a.detach())
+        hist_N.append(N.detach())
+        opt.zero_grad(set_to_none=True)
+        L.sum().backward()
+        with torch.no_grad():
+            better = (a >= target - tol) & (N < best_N)
+            best_P = torch.where(better[:, None, None], P, best_P)
+            best_Q = torch.where(better[:, None, None], Q, best_Q)
+            best_N, best_a = torch.where(better, N, best_N), torch.where(better, a, best_a)
+        opt.step()
+        sched.step()
+        if (i + 1) % dual_every == 0:
+            lam = torch.clamp(lam + mu * (target - a.detach()), min=0.0)
+    with torch.no_grad():                                               # the last iterate is checked too
+        _, a, N = objective(P, Q, lam)
+        better = (a >= target - tol) & (N < best_N)
+        best_P = torch.where(better[:, None, None], P, best_P)
+        best_Q = torch.where(better[:, None, None], Q, best_Q)
+        best_N, best_a = torch.where(better, N, best_N), torch.where(better, a, best_a)
+        found = torch.isfinite(best_N)
+        fP = n0[:, None, None] * (torch.einsum("di,kir->kdr", Bp, best_P[:, :-1]) + q_hat[:, :, None] * best_P[:, -1:])
+        fQ = torch.einsum("ei,kir->ker", Bm, best_Q)
+        norm = ((fP.transpose(1, 2) @ fP) * (fQ.transpose(1, 2) @ fQ)).sum((1, 2)).sqrt()
+        nan = torch.tensor(float("nan"), **f)
+        return {"norm": torch.where(found, norm, nan), "alignment": torch.where(found, best_a, nan),
+                "feasible": found, "closed_norm": n0, "closed_alignment": cf_align, "closed_feasible": cf_feasible,
+                "history_alignment": torch.stack(hist_a, 1), "history_norm": torch.stack(hist_N, 1).sqrt() * n0[:, None]}
+
+
+def compare_steering(ours, theirs, prefix=""):
+    """||dO|| (median and max relative difference over the directions where both are feasible), the
+    closed-form norm (relative) and the alignment reached (absolute), and the feasible counts."""
+    g = lambda r, k: np.asarray(r[k], np.float64)
+    both = g(ours, "feasible").astype(bool) & g(theirs, "feasible").astype(bool)
+    rel = np.abs(g(ours, "norm") - g(theirs, "norm"))[both] / g(theirs, "norm")[both]
+    rel_cf = np.abs(g(ours, "closed_norm") - g(theirs, "closed_norm")) / g(theirs, "closed_norm")
+    da = np.abs(g(ours, "alignment") - g(theirs, "alignment"))[both]
+    stat = lambda f, a: float(f(a)) if a.size else float("nan")
+    return {prefix + "norm_rel_median": stat(np.median, rel), prefix + "norm_rel_max": stat(np.max, rel),
+            prefix + "closed_rel_max": float(rel_cf.max()), prefix + "align_abs_max": stat(np.max, da),
+            prefix + "feasible": f"{int(g(ours, 'feasible').sum())}/{int(g(theirs, 'feasible').sum())}/{len(both)}"}
+
+
+def history_rel(ours, theirs):
+    """The largest relative difference, over directions and Adam steps, of the per-step ||dO|| and
+    alignment histories."""
+    out = 0.0
+    for k in ("history_norm", "history_alignment"):
+        a, b = np.asarray(ours[k], np.float64), np.asarray(theirs[k], np.float64)
+        out = max(out, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-300))))
+    return out
+
+
+def workload_e(model, K, steps, repeat, report, check_steps=40):
+    """The vmapped steering optimiser over K directions against the same Adam steps batched in torch.
+
+    solve: the optimisation alone on the same prepared problem (both sides get the same entering
+      tokens, p, m and bases): powerlens's ``solve_many_jit`` (one compiled vmap over the directions,
+      the scan over the Adam steps inside; the vmapped optimiser that ``optimize_steering`` calls
+      on one device) against ``torch_steer``.
+    api: end to end, ``pl.optimize_steering(layers, x0, D)`` against the torch user's whole pipeline
+      (``torch_steer_problem`` then ``torch_steer``).
+
+    Equality. The optimisation is chaotic: one float64 rounding difference grows about e-fold every
+    4 Adam steps (measured), and float32 rounding changes Adam's first, sign-like steps on
+    coordinates whose gradient is at rounding level, so after 200 steps single directions land on
+    visibly different iterates in *either* framework (powerlens's own vmapped run against its
+    per-direction loop, or against itself in float64, differ as much). Hence three checks:
+      f64_hist_rel_max  both sides in float64 for ``check_steps`` steps: the largest relative
+                        difference of every per-step ||dO|| and alignment (the same maths: ~1e-12);
+      norm_rel_*        float32 at full length: ||dO|| of torch against powerlens, median and max;
+      self_rel_*        float32 against float64 powerlens: the spread float32 itself causes, the
+                        scale that the float32 differences above are to be read against;
+    and closed_rel_max (the bisection for the closed form, not chaotic: float32 rounding, ~1e-6)."""
+    from powerlens.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens.steering.rank1 import host_matrices
+    L = model.layers
+    cfg = L.config
+    c = e_config(steps)
+    x0, valid = pl.embed(model, E_SENTENCES)
+    x0, valid = np.asarray(x0), np.asarray(valid)
+    rng = np.random.default_rng(0)
+    D = rng.standard_normal((K, cfg.d_model))
+    D /= np.linalg.norm(D, axis=1, keepdims=True)
+    # the prepared problem (powerlens's own preparation; shared by both sides for "solve")
+    X, vb, tail, l, kb = prepare_problem(L, x0, valid)
+    assert tail == (l,) and l == L.n_unique - 1, (tail, l)
+    _, V, _ = host_matrices(L, l)
+    R = jnp.asarray(V, jnp.float32)
+    pm = last_layer_terms(L, X, vb, l, kb, "softmax", None)
+    U = jnp.asarray(D, jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), K)
+    kw = dict(layer=l, tail=tail, rule="paper", attention="softmax", keep_bias=kb, target=c["target"],
+              reduce=c["reduce"], param="lowrank", rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"],
+              dual_every=c["dual_every"], tol=c["tol"], w_kind="value", signed=c["signed"],
+              bisect_iters=c["bisect_iters"], lr_floor=c["lr_floor"])
+    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, **kw)
+    ours = jax.tree_util.tree_map(np.asarray, solve())
+    # solve_one's initial noise (overwritten in column 0; all of it at rank 1), drawn from the same keys
+    kp1, km, r = pm["Bp"].shape[1] + 1, pm["Bm"].shape[1], c["rank"]
+
+    def noise(key):
+        k1, k2 = jax.random.split(key)
+        return (1e-2 * jax.random.normal(k1, (kp1, r), jnp.float32) / np.sqrt(kp1),
+                1e-2 * jax.random.normal(k2, (km, r), jnp.float32) / np.sqrt(km))
+    nP, nQ = (torch.from_numpy(np.array(a)) for a in jax.vmap(noise)(keys))
+    T = lambda a, dt=None: torch.from_numpy(np.array(a, dt))
+    targs = (T(pm["p"]), T(pm["m"]), T(vb), T(pm["Bp"]), T(pm["Bm"]), T(R), T(U), nP, nQ)
+    theirs = {k: v.numpy() for k, v in torch_steer(*targs, **c).items()}
+    cmp = compare_steering(ours, theirs)
+    # float64 on both sides, from the same (float32) inputs
+    with jax.enable_x64(True):
+        f64 = lambda a: jnp.asarray(np.asarray(a, np.float64)) if np.asarray(a).dtype == np.float32 else a
+        L64 = jax.tree_util.tree_map(f64, L)
+        pm64 = {k: f64(v) for k, v in pm.items()}
+        args64 = (L64, f64(X), vb, f64(U), keys, f64(R), None, pm64)
+        ours64 = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, **kw))
+        short = dict(kw, steps=min(check_steps, steps))
+        ours64s = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, **short))
+    t64 = [a if a.dtype == torch.bool else a.double() for a in targs]
+    theirs64s = {k: v.numpy() for k, v in torch_steer(*t64, **dict(c, steps=short["steps"])).items()}
+    self_cmp = compare_steering(ours, ours64)
+    cmp.update(f64_hist_rel_max=history_rel(ours64s, theirs64s), f64_steps=short["steps"],
+               self_rel_median=self_cmp["norm_rel_median"], self_rel_max=self_cmp["norm_rel_max"])
+    t_pl = best_of(jax_call(solve), repeat)
+    t_t = best_of(lambda: torch_steer(*targs, **c), repeat)
+    report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
+                what=f"solve {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
+    # end to end: the public API against the torch user's whole pipeline
+    api = lambda: pl.optimize_steering(L, x0, D, valid=valid, target=c["target"], reduce=c["reduce"],
+                                       param="lowrank", rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"],
+                                       dual_every=c["dual_every"], tol=c["tol"], w="value", signed=c["signed"])
+    params, sched = torch_layers(L), list(L.schedule)
+    tx, tv, tU = T(x0), T(valid), T(D, np.float32)
+
+    def torch_api():
+        with torch.no_grad():
+            p, m, Bp, Bm, Vt = torch_steer_problem(cfg, params, sched, tx, tv)
+        if Bp.shape[1] + 1 != kp1 or Bm.shape[1] != km:
+            raise AssertionError(f"torch bases {Bp.shape}, {Bm.shape} differ from powerlens's ({kp1 - 1}, {km})")
+        return torch_steer(p, m, tv, Bp, Bm, Vt, tU, nP, nQ, **c)
+    res = api()
+    a_ours = {k: getattr(res, k) for k in ("norm", "alignment", "feasible", "closed_norm", "closed_alignment")}
+    a_theirs = {k: v.numpy() for k, v in torch_api().items()}
+    cmp = compare_steering(a_ours, a_theirs)
+    t_pl = best_of(lambda: api().norm, repeat)
+    t_t = best_of(torch_api, repeat)
+    report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
+                what=f"api {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
+
 def try_compile(model, report):
     """torch.compile on the paper-rule states of MiniLM at 8x128: its time, or why it fails."""
     L = model.layers
@@ -378,11 +651,13 @@ def try_compile(model, report):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the small configuration the test suite runs")
-    ap.add_argument("--only", default="A,B,C,D", help="workloads to run, comma separated")
+    ap.add_argument("--only", default="A,B,C,D,E", help="workloads to run, comma separated")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile attempt")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch's intra-op threads (default 0: all cores, as the issue asks)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     only = set(args.only.split(","))
     lines = []
 
@@ -415,6 +690,8 @@ def main(argv=None):
         workload_c(minilm, args.repeat, report)
     if "D" in only:
         workload_d(8 if args.tiny else 256, 10 if args.tiny else 200, args.repeat, report)
+    if "E" in only:
+        workload_e(minilm, 8 if args.tiny else 64, 20 if args.tiny else 200, args.repeat, report)
     ratios = [x["ratio"] for x in lines if x.get("what") == "states" and "ratio" in x]
     if ratios:
         print(f"A states only: min {min(ratios):.2f}x, median {float(np.median(ratios)):.2f}x over "

@@ -41,6 +41,7 @@ CONFIGS = {
     "opt_pre_proj": ("opt", dict(word_embed_proj_dim=24)),
     "opt_post_proj": ("opt", dict(do_layer_norm_before=False, word_embed_proj_dim=24)),   # opt-350m's shape
     "phi": ("phi", dict()),
+    "phi_qk_layernorm": ("phi", dict(qk_layernorm=True)),     # LayerNorm (with bias) on each head's q and k
     "phi3": ("phi3", dict()),
 }
 
@@ -146,6 +147,7 @@ EXPECT = {   # parallel, norm, placement, rope_dim, window per layer, lm_head bi
     "opt_pre_proj": (False, "layernorm", "pre", None, [0, 0], False),
     "opt_post_proj": (False, "layernorm", "post", None, [0, 0], False),
     "phi": (True, "layernorm", "pre", 6, [0, 0], True),
+    "phi_qk_layernorm": (True, "layernorm", "pre", 6, [0, 0], True),
     "phi3": (False, "rmsnorm", "pre", None, [3, 3], False),
 }
 
@@ -168,6 +170,12 @@ def test_static_facts_are_where_transformers_puts_them(case):
         assert cfg.rope_theta == c.rope_parameters["rope_theta"]
     if case["kind"] == "phi":
         assert layers.ffn_norm_scale is None and layers.norm_bias is not None     # one shared LayerNorm
+        qk = case["cfg"].get("qk_layernorm", False)
+        assert all((getattr(layers, f"{a}_norm_{b}") is not None) == qk for a in "qk" for b in ("scale", "bias"))
+        if qk:                 # the torch LayerNorm(head_dim) weights, per layer
+            sd = _sd(case["hf"])
+            np.testing.assert_allclose(np.asarray(layers.k_norm_bias[1]),
+                                       sd["model.layers.1.self_attn.k_layernorm.bias"], rtol=1e-6)
     if case["name"] == "neox_sequential":
         assert cfg.rope_theta == 500.0 and layers.b_q is None and layers.b_o is None and model.lm_head is None
 
@@ -259,7 +267,7 @@ def test_opt_remove_final_layer_norm(case, tmp_path):
     ("opt_pre", {"layer_norm_elementwise_affine": False, "scale_embedding": True},
      ["layer_norm_elementwise_affine=False is not supported", "scale_embedding=True is unknown"]),
     ("opt_post_proj", {"do_layer_norm_before": "no"}, ["do_layer_norm_before='no' must be true or false"]),
-    ("phi", {"qk_layernorm": True}, ["qk_layernorm=True is not supported"]),
+    ("phi", {"qk_layernorm": "yes"}, ["qk_layernorm='yes' must be true or false"]),
     ("phi", {"attention_bias": True}, ["attention_bias=True is unknown"]),
     ("phi3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 6,
                                   "long_factor": [1.0] * 6, "partial_rotary_factor": 1.0}}, ["rope_type='longrope'"]),

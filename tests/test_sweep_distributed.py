@@ -119,3 +119,13 @@ def test_settings_from_the_environment(monkeypatch):
     assert distributed.from_environment() == {"coordinator": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
     with pytest.raises(ValueError, match="expected HOST:PORT"):
         distributed.split_address("nohost")
+
+
+def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch):
+    from powerlens.sweeps.distributed import worker_env
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    flags = worker_env(2, cores=2)["XLA_FLAGS"]
+    assert "--xla_cpu_multi_thread_eigen=false" in flags and "intra_op_parallelism_threads=1" in flags
+    assert "XLA_FLAGS" not in worker_env(2, cores=8)                       # fewer workers than cores: untouched
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+    assert worker_env(4, cores=2)["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"   # the user's choice wins

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .blocked import DEFAULT_BLOCK, blocked_attention_mix
-from .norms import rms_norm
+from .norms import apply_norm
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
 
@@ -89,7 +89,7 @@ def qkv_weight(layers):
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):
     """q, k, v "float[n H e]" of one layer from one fused projection X @ qkv^T, with the
-    q/k biases, then the per-head q/k RMSNorm (over e, when the layer has one), then RoPE;
+    q/k biases, then the per-head q/k norm (over e, of the config's norm kind, when the layer has one), then RoPE;
     key/value heads repeated to the H query heads."""
     cfg = lp.config
     if lp.W_q is None or lp.W_k is None:
@@ -105,10 +105,10 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
         q = q + lp.b_q
     if lp.b_k is not None:
         k = k + lp.b_k
-    if lp.q_norm_scale is not None:
-        q = rms_norm(q, lp.q_norm_scale, cfg.norm_eps)
+    if lp.q_norm_scale is not None:                  # the config's norm kind: RMSNorm, or Phi's LayerNorm
+        q = apply_norm(cfg.norm, q, lp.q_norm_scale, lp.q_norm_bias, cfg.norm_eps)
     if lp.k_norm_scale is not None:
-        k = rms_norm(k, lp.k_norm_scale, cfg.norm_eps)
+        k = apply_norm(cfg.norm, k, lp.k_norm_scale, lp.k_norm_bias, cfg.norm_eps)
     if cfg.rope_theta is not None:
         if positions is None:
             positions = jnp.arange(n)

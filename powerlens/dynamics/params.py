@@ -12,7 +12,9 @@ e = d_head, d = model width, f = FFN width)::
     norm_scale / norm_bias (U, d)       the attention sub-layer's norm
     ffn_norm_scale / ffn_norm_bias (U, d), W_in (U, f, d), b_in (U, f),
     W_gate (U, f, d), W_out (U, d, f), b_out (U, d)   only for rule ``full``
-    q_norm_scale / k_norm_scale (U, e)   per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    q_norm_scale / k_norm_scale (U, e)   per-head norm of q and k before RoPE, of the config's
+                                         ``norm`` kind (RMSNorm: Qwen3, Gemma 3; LayerNorm with
+    q_norm_bias / k_norm_bias (U, e)     these biases: Phi's ``qk_layernorm``)
     post_attn_norm_scale / post_ffn_norm_scale (U, d)   sandwich norms (Gemma 2/3): the
         attention and FFN outputs are normed before they join the residual
     rope_base (U,)   per-layer RoPE base (Gemma 3: 1e4 on local, 1e6 on global layers);
@@ -164,6 +166,8 @@ class Layers:
     b_out: Optional[jax.Array] = None
     q_norm_scale: Optional[jax.Array] = None
     k_norm_scale: Optional[jax.Array] = None
+    q_norm_bias: Optional[jax.Array] = None
+    k_norm_bias: Optional[jax.Array] = None
     post_attn_norm_scale: Optional[jax.Array] = None
     post_ffn_norm_scale: Optional[jax.Array] = None
     rope_base: Optional[jax.Array] = None
@@ -327,7 +331,8 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
         "W_o": (U, d, cfg.n_heads * e),
         "b_q": (U, cfg.n_heads, e), "b_k": (U, cfg.n_kv_heads, e), "b_v": (U, cfg.n_kv_heads, e), "b_o": (U, d),
         "norm_scale": (U, d), "norm_bias": (U, d), "ffn_norm_scale": (U, d), "ffn_norm_bias": (U, d),
-        "q_norm_scale": (U, e), "k_norm_scale": (U, e), "post_attn_norm_scale": (U, d),
+        "q_norm_scale": (U, e), "k_norm_scale": (U, e), "q_norm_bias": (U, e), "k_norm_bias": (U, e),
+        "post_attn_norm_scale": (U, d),
         "post_ffn_norm_scale": (U, d), "rope_base": (U,),
     }
     expect.update(_ffn_shapes(arrays, U, d))

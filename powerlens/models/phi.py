@@ -13,8 +13,9 @@ The layers carry no ``ffn_norm``: the parallel ``full`` rule then feeds the FFN 
 ``norm`` as the attention (``LayerConfig.parallel_residual``). Partial rotary: r = int(e ·
 ``partial_rotary_factor``) (``rope_parameters`` or the top-level key; 0.5 when absent, the
 PhiConfig default) leading coordinates of each head rotated (HF ``rotate_half``), base
-``rope_theta``. ``qk_layernorm`` True (a LayerNorm, with bias, on each head's q and k) is not
-supported and is rejected by name; False, the published default, is the plain attention.
+``rope_theta``. ``qk_layernorm`` True (an ``nn.LayerNorm(head_dim)``, with bias, on each head's q
+and k before RoPE) is read into ``q_norm_scale``/``q_norm_bias`` (and k), applied as the config's
+``layernorm``; False, the published default, is the plain attention.
 
 **Phi-3** (Phi-3-mini, …): the sequential pre-RMSNorm block of Llama with fused projections::
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 from .base import Model, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
                       require, short_repr, tokenizer_folder, to_device)
-from .gpt_neox import decoder_model, partial_rotary
+from .gpt_neox import decoder_model, flag, partial_rotary
 from .layout import LINEAR
 from .llama import GLU_ACTIVATIONS, HF_TENSORS, hf_sizes, llama_info, llama_shapes
 from .reader import CheckpointError
@@ -75,9 +76,7 @@ def _info(config, reader, src, name, family):
 def convert_phi(config: dict, reader, dtype, name: str) -> Model:
     src = config_file(reader)
     check_config(config, src, "phi", handled=PHI_HANDLED, neutral=PHI_NEUTRAL)
-    if config.get("qk_layernorm") not in (None, False):
-        raise CheckpointError(f"{src}: qk_layernorm={short_repr(config['qk_layernorm'])} is not supported "
-                              f"(a LayerNorm with bias on each head's q and k; only qk_layernorm false)")
+    qk_norm = flag(config, "qk_layernorm", src, False)
     s = hf_sizes(config, src)
     theta, rope_dim = partial_rotary(config, src, s.e, default_factor=0.5)
     act = activation(config, "hidden_act", src, "gelu_new")
@@ -87,11 +86,17 @@ def convert_phi(config: dict, reader, dtype, name: str) -> Model:
     for k in ("ffn_norm_scale", "W_gate"):
         shapes.pop(k)
     shapes["norm_bias"] = (s.d,)
+    names = dict(PHI_NAMES)
+    if qk_norm:          # nn.LayerNorm(head_dim) on every head's q and k, before the partial RoPE
+        for qk in ("q", "k"):
+            shapes[f"{qk}_norm_scale"] = shapes[f"{qk}_norm_bias"] = (s.e,)
+            names[f"{qk}_norm_scale"] = f"self_attn.{qk}_layernorm.weight"
+            names[f"{qk}_norm_bias"] = f"self_attn.{qk}_layernorm.bias"
     st = Stack(s.L, dtype, shapes, reader.folder)
     for key in shapes:
-        stored = HF_TENSORS[key][1](s) if key in HF_TENSORS else None
+        stored = HF_TENSORS[key][1](s) if key in HF_TENSORS and key in PHI_NAMES else None
         for i in range(s.L):
-            st.read(key, i, reader, f"layers.{i}.{PHI_NAMES[key]}", stored)
+            st.read(key, i, reader, f"layers.{i}.{names[key]}", stored)
     tensors = read_tensors(reader, {"word": "embed_tokens.weight", "scale": "final_layernorm.weight",
                                     "bias": "final_layernorm.bias"},
                            {"word": (s.V, s.d), "scale": (s.d,), "bias": (s.d,)})
