@@ -74,7 +74,9 @@ def test_memory_script_quick(tmp_path, capsys):
     assert run["finite"] and run["n"] == 32 and run["steps"] == 6
     assert run["param_bytes"] > 0 and run["layer_activation_bytes"] > 0
     assert 0 < run["baseline_rss"] <= run["before"] <= run["first_peak"]
-    assert run["peak"] >= run["before_steady"] > 0
+    # the second call's peak is read after a reset of the high-water mark: the allocator may have
+    # returned pages since before_steady was read, so only sanity is asserted between the two
+    assert run["peak"] > 0 and run["before_steady"] > 0
     assert set(run["activation_floats"]) == {"tokens_in", "qkv", "scores", "head_out", "tokens_out"}
     steps = doc["steps"]
     assert [(r["T"], r["save_states"]) for r in steps] == [(2, False), (4, False), (4, True)]
