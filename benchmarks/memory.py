@@ -59,12 +59,9 @@ MB = 1e6
 
 # --------------------------------------------------------------------------- child side
 
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+# the /proc/self/status reader and the VmHWM reset are benchmarks/models.py's (standard library only)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import _reset_peak as reset_hwm, _status_kib as status_kb  # noqa: E402
 
 
 def rss() -> float:
@@ -73,16 +70,6 @@ def rss() -> float:
 
 def hwm() -> float:
     return status_kb("VmHWM") * 1e3
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def maxrss() -> float:
