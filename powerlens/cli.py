@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "into it, one with other settings is refused unless --overwrite")
     p.add_argument("--quick", action="store_true", help="smaller sweeps (about 2 minutes)")
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same results.json")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes for the real models (default: one per model, at most 2 per core; "
+                        "1: all in this process)")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_reproduce)
     from .commands.sweep import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702

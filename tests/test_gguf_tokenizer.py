@@ -137,6 +137,24 @@ def test_llama_model_ids_and_decoding_equal_transformers(llama_vocab):
     assert any(t.startswith("<0x") for t in ours.convert_ids_to_tokens(ours("🤗")["input_ids"]))  # byte fallback
 
 
+def test_recovered_merges_are_cached_and_the_cached_tokenizer_is_the_same(llama_file, llama_vocab, tmp_path,
+                                                                         monkeypatch):
+    """A tokenizer whose merges were recovered is kept on disk, keyed by the file; read back,
+    it gives the same ids and decoding as the one built from the metadata."""
+    from powerlens.models import gguf_tokenizer as gt
+    monkeypatch.setenv("POWERLENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gt, "CACHE_MIN_TOKENS", 0)
+    spec = tokenizer_spec(GGUFFile(llama_file))
+    built = build_tokenizer(spec)
+    cached = [f for _, _, fs in os.walk(tmp_path / "cache") for f in fs]
+    assert len(cached) == 1 and cached[0].endswith(".json")
+    monkeypatch.setattr(gt, "_recovered_merges", lambda *a: pytest.fail("the cache was not used"))
+    again = build_tokenizer(spec)
+    check_equal(again, llama_vocab[1], varied_strings(SPECIALS["llama"], seed=2))
+    s = "the cat sat on the mat 🤗"
+    assert again(s)["input_ids"] == built(s)["input_ids"]
+
+
 def test_smollm2_known_ids(smollm2):
     """Independent of the reference: SmolLM2 adds no BOS and keeps its chat tokens whole."""
     ours, _ = smollm2

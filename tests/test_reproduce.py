@@ -78,22 +78,9 @@ def test_failing_section_is_reported_and_others_kept(tmp_path, monkeypatch, caps
 
 def test_models_from_the_cache_and_missing_ones(tmp_path, monkeypatch, capsys):
     """--models adds a cached hub id to the real-model section; absent ones are named."""
-    from hf_tiny import build
-    root = tmp_path / "hub"
-    snap = root / "models--tiny-org--tiny-bert" / "snapshots" / "abc"
-    snap.mkdir(parents=True)
-    build("bert", snap, seed=1, vocab_size=30522)
-    import shutil
-    from powerlens.models.load import resolve
-    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(resolve("minilm"), f), snap / f)            # MiniLM's tokenizer
-    (root / "models--tiny-org--tiny-bert" / "refs").mkdir()
-    (root / "models--tiny-org--tiny-bert" / "refs" / "main").write_text("abc")
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    from powerlens.reproduce import real_models
-    monkeypatch.setattr(real_models, "DEFAULT_MODELS", [])      # keep the test small: the cached model only
+    _tiny_cached_bert(tmp_path, monkeypatch)      # keep the test small: the cached model only
     args = argparse.Namespace(models=["tiny-org/tiny-bert", "nobody/absent"], out=str(tmp_path / "r"), quick=True,
-                              seed=0, sections=["layer_varying"])
+                              seed=0, sections=["layer_varying"], jobs=1)
     assert reproduce.cmd_reproduce(args) == 0
     doc = json.loads((tmp_path / "r" / "results.json").read_text())
     sec = doc["sections"][0]
@@ -102,3 +89,56 @@ def test_models_from_the_cache_and_missing_ones(tmp_path, monkeypatch, capsys):
     assert "nobody/absent" in sec["summary"]
     rows = sec["numbers"]["per_model"]["tiny-org/tiny-bert"]["paper"]["shifted"]["steps"]
     assert len(rows) == 3                                          # 2 layers + the initial state
+
+
+def _tiny_cached_bert(tmp_path, monkeypatch):
+    """A tiny BERT in a fake HF cache (with MiniLM's tokenizer), as the only real model."""
+    import shutil
+    from hf_tiny import build
+    from powerlens.models.load import resolve
+    from powerlens.reproduce import real_models
+    root = tmp_path / "hub"
+    snap = root / "models--tiny-org--tiny-bert" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    build("bert", snap, seed=1, vocab_size=30522)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(resolve("minilm"), f), snap / f)
+    (root / "models--tiny-org--tiny-bert" / "refs").mkdir()
+    (root / "models--tiny-org--tiny-bert" / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(real_models, "DEFAULT_MODELS", [])
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_serial_results(tmp_path, monkeypatch, capsys):
+    """--jobs 2 computes the real model's chunks in a worker process; results.json is the same
+    bytes as with --jobs 1, and the worker's chunks count as computed, not resumed."""
+    _tiny_cached_bert(tmp_path, monkeypatch)
+    outs = {}
+    for jobs in (1, 2):
+        args = argparse.Namespace(models=["tiny-org/tiny-bert"], out=str(tmp_path / f"j{jobs}"), quick=True, seed=0,
+                                  sections=["layer_varying"], jobs=jobs)
+        assert reproduce.cmd_reproduce(args) == 0
+        outs[jobs] = capsys.readouterr().out
+    assert (tmp_path / "j1" / "results.json").read_bytes() == (tmp_path / "j2" / "results.json").read_bytes()
+    assert "(0 chunks resumed, 2 computed)" in outs[1] and "(0 chunks resumed, 2 computed)" in outs[2]
+
+
+def test_a_failed_worker_leaves_its_model_to_the_main_process(tmp_path, capsys):
+    from concurrent.futures import Future
+    from powerlens.reproduce import Context
+    from powerlens.reproduce.store import ChunkStore
+    ctx = Context(out=str(tmp_path), store=ChunkStore(str(tmp_path), {}), quick=True, seed=0, models=[])
+    dead = Future()
+    dead.set_exception(RuntimeError("worker killed"))
+    ctx.pending["m"] = dead
+    assert ctx.model_chunk("m", "k", lambda: {"x": 1.5}) == {"x": 1.5}
+    assert "the worker process for m failed (RuntimeError: worker killed)" in capsys.readouterr().err
+    assert ctx.store.computed == 1 and not ctx.pending
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True, "2"])
+def test_bad_jobs_is_a_clear_error(jobs):
+    from powerlens.reproduce.workers import check_jobs
+    with pytest.raises(ValueError, match="--jobs must be a positive integer"):
+        check_jobs(jobs)

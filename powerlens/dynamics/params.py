@@ -182,8 +182,9 @@ class Layers:
         return self.config.steps_for(self.n_unique)
 
     def layer(self, i) -> "Layer":
-        """The parameters of unique layer ``i`` with the leading axis removed."""
-        return jax.tree_util.tree_map(lambda a: a[i], self)
+        """The parameters of unique layer ``i`` with the leading axis removed (one compiled
+        gather for every array, ``i`` a traced or a Python index)."""
+        return _take_layer(self, i)
 
     def with_schedule(self, schedule) -> "Layers":
         """The same layers applied in the order ``schedule`` (a sequence of unique-layer
@@ -212,8 +213,19 @@ class Layers:
         check_steps(steps)
         if not -self.n_unique <= layer < self.n_unique:
             raise ValueError(f"shared layer index {layer} out of range for {self.n_unique} layers")
-        one = jax.tree_util.tree_map(lambda a: a[layer:layer + 1] if layer != -1 else a[-1:], self)
+        one = _keep_layer(self, layer % self.n_unique)
         return one.replace(config=dataclasses.replace(self.config, schedule=Schedule.repeat(0, steps)))
+
+
+@jax.jit
+def _take_layer(layers: Layers, i) -> Layers:
+    return jax.tree_util.tree_map(lambda a: a[i], layers)
+
+
+@jax.jit
+def _keep_layer(layers: Layers, i) -> Layers:
+    """The arrays of unique layer ``i`` with a leading axis of length 1."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1), layers)
 
 
 Layer = Layers
@@ -228,15 +240,16 @@ def check_steps(steps) -> int:
 
 
 def value_matrix(layers: Layers) -> jax.Array:
-    """V_cat expanded to the query heads: "float[U H*e d]".
+    """V_cat expanded to the query heads: "float[U H*e d]" ("float[H*e d]" for one
+    :class:`Layer`).
 
     With grouped-query attention key/value head g serves query heads
     ``g*group, ..., g*group + group - 1`` (Hugging Face ``repeat_kv`` order).
     """
     cfg = layers.config
     W_v = jnp.repeat(layers.W_v, cfg.kv_group, axis=-3)  # (U, H, e, d)
-    U, H, e, d = W_v.shape
-    return W_v.reshape(U, H * e, d)
+    H, e, d = W_v.shape[-3:]
+    return W_v.reshape(W_v.shape[:-3] + (H * e, d))
 
 
 def layer_matrices(layers: Layers) -> jax.Array:

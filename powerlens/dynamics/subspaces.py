@@ -15,6 +15,7 @@ this module only holds the container, so the scan does not depend on the analysi
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Tuple
 
 import jax
@@ -68,6 +69,11 @@ def stack_subspaces(subs: Sequence[Subspaces]) -> Subspaces:
     if len(names) != 1:
         raise ValueError(f"stack_subspaces needs subspaces with the same reference names, got {sorted(names)}")
     k = max(int(s.basis.shape[-1]) for s in subs)
+    basis, dim = _stack_padded(tuple(s.basis for s in subs), tuple(s.dim for s in subs), k=k)
+    return Subspaces(basis=basis, dim=dim, names=names.pop())
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def _stack_padded(bases, dims, *, k: int):
     pad = lambda b: jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, k - b.shape[-1])])
-    return Subspaces(basis=jnp.stack([pad(s.basis) for s in subs]), dim=jnp.stack([s.dim for s in subs]),
-                     names=names.pop())
+    return jnp.stack([pad(b) for b in bases]), jnp.stack(dims)

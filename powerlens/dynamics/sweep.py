@@ -31,7 +31,13 @@ def stack_systems(systems: Sequence[Layers]) -> Layers:
     for i, s in enumerate(systems):
         if s.config != cfg:
             raise ValueError(f"system {i} has a different static config than system 0; sweeps need equal shapes")
-    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *systems)
+    return _stack(*systems)
+
+
+@jax.jit
+def _stack(*trees):
+    """The leaves of ``trees`` stacked along a new leading axis: one compiled program."""
+    return jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
 
 
 def _one(rule, attention, keep_bias, save_states):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import List, Sequence, Tuple, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,23 +92,36 @@ def embed_ids(model: Model, ids, valid=None):
         raise ValueError(
             f"prompt of {n} tokens is longer than the model's {info.max_positions - info.position_offset} "
             f"positions ({info.family}); shorten it (powerlens does not truncate silently)")
-    x = jnp.asarray(E["word"])[jnp.asarray(np.where(valid, ids, 0))]
-    if info is not None and info.embed_scale is not None:
-        x = x * jnp.asarray(np.float32(info.embed_scale), x.dtype)
+    pos = None
     if "position" in E:
         if info is not None and info.position_offset:
             # RoBERTa: positions count valid tokens from padding_idx + 1
             pos = np.cumsum(valid, axis=1) * valid + (info.position_offset - 1)
         else:
             pos = np.broadcast_to(np.arange(n), ids.shape)
-        x = x + jnp.asarray(E["position"])[jnp.asarray(pos)]
-    if "token_type" in E:
-        x = x + jnp.asarray(E["token_type"])[0]
-    if "norm_scale" in E:
-        x = layer_norm(x, E["norm_scale"], E.get("norm_bias"), model.layers.config.norm_eps)
-    if "project_W" in E:
-        x = x @ jnp.asarray(E["project_W"]).T + E["project_b"]
+        pos = np.asarray(pos, np.int32)
+    scale = None if info is None or info.embed_scale is None else np.float32(info.embed_scale)
+    x = _embed_arrays({k: jnp.asarray(v) for k, v in E.items()}, np.asarray(np.where(valid, ids, 0), np.int32), pos,
+                      scale, eps=float(model.layers.config.norm_eps))
     return x, jnp.asarray(valid)
+
+
+@functools.partial(jax.jit, static_argnames=("eps",))
+def _embed_arrays(E: dict, ids: "int[B n]", pos: "int[B n] | None", scale: "float[] | None", *, eps: float):
+    """x0 "float[B n d]": word (times ``scale``) + position + token type embeddings, then the
+    embedding LayerNorm and projection where the model has them; one compiled program."""
+    x = E["word"][ids]
+    if scale is not None:
+        x = x * scale.astype(x.dtype)
+    if pos is not None:
+        x = x + E["position"][pos]
+    if "token_type" in E:
+        x = x + E["token_type"][0]
+    if "norm_scale" in E:
+        x = layer_norm(x, E["norm_scale"], E.get("norm_bias"), eps)
+    if "project_W" in E:
+        x = x @ E["project_W"].T + E["project_b"]
+    return x
 
 
 def embed(model: Model, texts_or_ids: Union[str, Sequence[str], Sequence[Sequence[int]], np.ndarray]):

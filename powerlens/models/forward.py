@@ -20,10 +20,16 @@ from .base import Model
 
 
 def final_norm(model: Model, h):
+    """The model's final norm of h "float[... d]" (h itself when the model has none)."""
     cfg = model.layers.config
     if model.final_norm_scale is None:
         return h
-    return apply_norm(cfg.norm, h, model.final_norm_scale, model.final_norm_bias, cfg.norm_eps)
+    return _norm(h, model.final_norm_scale, model.final_norm_bias, kind=cfg.norm, eps=cfg.norm_eps)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "eps"))
+def _norm(h, scale, bias, *, kind, eps):
+    return apply_norm(kind, h, scale, bias, eps)
 
 
 def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: str = "full",

@@ -214,9 +214,52 @@ def _gemma_backend(spec: TokenizerSpec):
 def _backend(spec: TokenizerSpec):
     if spec.model == "gpt2":
         return _byte_level_backend(spec)
-    if spec.architecture.startswith("gemma"):
-        return _gemma_backend(spec)
-    return _sentencepiece_backend(spec)
+    recovered = spec.merges is None
+    path = _cache_path(spec) if recovered and len(spec.tokens) >= CACHE_MIN_TOKENS else None
+    if path is not None and os.path.isfile(path):
+        from tokenizers import Tokenizer
+        try:
+            return Tokenizer.from_file(path), None
+        except Exception:  # noqa: BLE001  (a damaged cache entry is rebuilt)
+            pass
+    tok, letters = _gemma_backend(spec) if spec.architecture.startswith("gemma") else _sentencepiece_backend(spec)
+    if path is not None:
+        from .. import io
+        try:
+            io.write_text(path, tok.to_str())
+        except OSError:
+            pass                     # a read-only cache: build it again next time
+    return tok, letters
+
+
+CACHE_MIN_TOKENS = 32768
+"""Vocabularies without stored merges at least this large keep their built tokenizer in
+:func:`cache_dir` (recovering Gemma 3's merges from 262,144 tokens takes about 5 s)."""
+
+CACHE_VERSION = 1
+"""Bumped whenever the construction of a tokenizer changes, so that no stale one is read."""
+
+
+def cache_dir() -> str:
+    """``$POWERLENS_CACHE``, else ``$XDG_CACHE_HOME/powerlens``, else ``~/.cache/powerlens``."""
+    if os.environ.get("POWERLENS_CACHE"):
+        return os.environ["POWERLENS_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "powerlens")
+
+
+def _cache_path(spec: TokenizerSpec) -> Optional[str]:
+    """The cache file of the tokenizer built from ``spec``: named by the GGUF file (its real
+    path, size and modification time), :data:`CACHE_VERSION` and the ``tokenizers`` version."""
+    import hashlib
+
+    import tokenizers
+    try:
+        key = (*_file_key(spec.path), CACHE_VERSION, tokenizers.__version__)
+    except OSError:
+        return None
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    return os.path.join(cache_dir(), "tokenizers", f"{name}.json")
 
 
 @functools.lru_cache(maxsize=1)

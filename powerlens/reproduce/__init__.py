@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 import time
 import traceback
-from typing import Callable, List
+from concurrent.futures import Future
+from typing import Any, Callable, Dict, List
 
 from .. import io
 from .section import SectionResult
@@ -28,6 +30,20 @@ class Context:
     seed: int
     models: List[str]
     show_progress: bool = True
+    pending: Dict[str, Future] = dataclasses.field(default_factory=dict)   # model -> its worker (--jobs)
+
+    def model_chunk(self, model: str, key: str, compute: Callable[[], Any]) -> Any:
+        """Chunk ``key`` of real model ``model``. When a worker process is computing that
+        model's chunks (:mod:`~powerlens.reproduce.workers`), wait for it and read them back;
+        whatever it did not finish is computed here."""
+        worker = self.pending.pop(model, None)
+        if worker is not None:
+            try:
+                self.store.adopt(worker.result())
+            except Exception as exc:  # noqa: BLE001  (a dead worker: its model is computed here instead)
+                print(f"powerlens reproduce: the worker process for {model} failed ({type(exc).__name__}: {exc}); "
+                      f"computing its chunks here", file=sys.stderr)
+        return self.store.cached(key, compute)
 
     def fig(self, name: str) -> str:
         """Absolute path for a figure; sections list it relative to ``out``."""
@@ -104,6 +120,8 @@ def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
 def cmd_reproduce(args) -> int:
     settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or []),
                 "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
+    from .workers import check_jobs
+    args.jobs = check_jobs(getattr(args, "jobs", None))
     out = io.check_out_path(args.out)
     with io.folder_lock(out):
         prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))
@@ -112,13 +130,15 @@ def cmd_reproduce(args) -> int:
 
 def _reproduce_into(out: str, settings: dict, args) -> int:
     from .report import render_html, render_markdown
+    from .workers import model_workers
     store = ChunkStore(out, settings)
     ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
     sections = all_sections()
     if getattr(args, "sections", None):
         sections = [s for s in sections if any(k in s.__name__ for k in args.sections)]
     t0 = time.time()
-    results = run_sections(ctx, sections)
+    with model_workers(ctx, sections, settings, args.jobs):
+        results = run_sections(ctx, sections)
     full_settings = {**settings, "versions": io.versions()}
     doc = {"settings": settings, "sections": [r.to_json() for r in results]}
     written = [io.write_json(os.path.join(out, "results.json"), doc),

@@ -68,21 +68,31 @@ def _spectra(name: str):
 
 # --------------------------------------------------------------------------- section 5
 
+RULES_5 = ("paper", "faithful")
+
+
+def _layer_varying_chunk(ctx, name: str, rule: str) -> dict:
+    model = _load(name)
+    texts = _prompts(ctx)
+    res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=_spectra(name))
+    return {"rule": res.rule, "n_tokens": res.n_tokens, **res.to_json()["orders"],
+            "orderings_differ": [s.layer for s in res.spectra if s.orderings_differ],
+            "layers": len(res.spectra), **attention_kinds(model, texts)}
+
+
+def layer_varying_chunks(ctx, name: str):
+    """Section 5's chunks of model ``name``: (key, compute) per rule of :data:`RULES_5`."""
+    return [(f"s5_{name}_{rule}", functools.partial(_layer_varying_chunk, ctx, name, rule)) for rule in RULES_5]
+
+
 def section_layer_varying(ctx) -> SectionResult:
     found, missing = available_models(ctx)
     texts = _prompts(ctx)
     per_model: Dict[str, dict] = {}
     figs = []
     for name in ctx.progress(found, "5 layer-varying models"):
-        entry = {}
-        for rule in ("paper", "faithful"):
-            def compute(name=name, rule=rule):
-                model = _load(name)
-                res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=_spectra(name))
-                return {"rule": res.rule, "n_tokens": res.n_tokens, **res.to_json()["orders"],
-                        "orderings_differ": [s.layer for s in res.spectra if s.orderings_differ],
-                        "layers": len(res.spectra), **attention_kinds(model, texts)}
-            entry[rule] = ctx.store.cached(f"s5_{name}_{rule}", compute)
+        entry = {rule: ctx.model_chunk(name, key, compute)
+                 for (key, compute), rule in zip(layer_varying_chunks(ctx, name), RULES_5)}
         per_model[name] = entry
         for rule in ("paper", "faithful"):
             e = entry[rule]     # read back from the JSON chunk store
@@ -234,17 +244,29 @@ def _shared_iterations(model, name, ctx, T, layers_idx):
     return out
 
 
+def _shared_steps(ctx) -> int:
+    return 80 if ctx.quick else 200
+
+
+def _shared_real_chunk(ctx, name: str) -> list:
+    model = _load(name)
+    U = model.layers.n_unique
+    idx = list(range(0, U, max(U // 4, 1))) if ctx.quick else list(range(U))
+    return _shared_iterations(model, name, ctx, _shared_steps(ctx), idx)
+
+
+def shared_real_chunks(ctx, name: str):
+    """Section 6's chunks of model ``name`` (the default models only)."""
+    return [(f"s6_{name}", functools.partial(_shared_real_chunk, ctx, name))] if name in DEFAULT_MODELS else []
+
+
 def section_shared_real(ctx) -> SectionResult:
     found, _ = available_models(ctx)
-    T = 80 if ctx.quick else 200
+    T = _shared_steps(ctx)
     rows = []
     for name in ctx.progress([m for m in found if m in DEFAULT_MODELS], "6 real layers as shared systems"):
-        def compute(name=name):
-            model = _load(name)
-            U = model.layers.n_unique
-            idx = list(range(0, U, max(U // 4, 1))) if ctx.quick else list(range(U))
-            return _shared_iterations(model, name, ctx, T, idx)
-        rows += ctx.store.cached(f"s6_{name}", compute)
+        for key, compute in shared_real_chunks(ctx, name):
+            rows += ctx.model_chunk(name, key, compute)
     if not rows:
         return SectionResult("shared_real", "6. Real layers iterated as shared-weight systems", "", "skipped",
                              "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
@@ -288,23 +310,33 @@ def _json_floats(a) -> list:
     return [float(v) if np.isfinite(v) else None for v in np.asarray(a, float)]
 
 
+_FFN_FIELDS = (("gamma", "gamma"), ("rho", "rho"), ("chance", "chance_gamma"), ("band", "chance_band"))
+
+
+def _ffn_chunk(ctx, name: str) -> dict:
+    """gamma_t, rho_t and the chance band (shifted ordering, t >= 1) under the rules paper,
+    faithful and full: the first two are section 5's runs (its chunks), only ``full`` is new."""
+    out = {}
+    for (key, compute), rule in zip(layer_varying_chunks(ctx, name), RULES_5):
+        e = ctx.model_chunk(name, key, compute)
+        out[rule] = {"rule": e["rule"], **{k: [row[f] for row in e["shifted"]["steps"][1:]] for k, f in _FFN_FIELDS}}
+    res = align_model(_load(name), _prompts(ctx), rule="full", seed=ctx.seed, spectra=_spectra(name))
+    m = res.measures["shifted"]
+    out["full"] = {"rule": res.rule, **{k: _json_floats(getattr(m, f)[1:]) for k, f in _FFN_FIELDS}}
+    return out
+
+
+def ffn_chunks(ctx, name: str):
+    """Section 8's chunks of model ``name`` (the default models only)."""
+    return [(f"s8_{name}", functools.partial(_ffn_chunk, ctx, name))] if name in DEFAULT_MODELS else []
+
+
 def section_ffn(ctx) -> SectionResult:
     found, _ = available_models(ctx)
-    texts = _prompts(ctx)
     rows, figs = [], []
     for name in ctx.progress([m for m in found if m in DEFAULT_MODELS], "8 what the FFN changes"):
-        def compute(name=name):
-            model = _load(name)
-            spectra = _spectra(name)
-            out = {}
-            for rule in ("paper", "faithful", "full"):
-                res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=spectra)
-                m = res.measures["shifted"]
-                out[rule] = {"rule": res.rule, **{k: _json_floats(getattr(m, f)[1:]) for k, f in
-                                                  (("gamma", "gamma"), ("rho", "rho"), ("chance", "chance_gamma"),
-                                                   ("band", "chance_band"))}}
-            return out
-        entry = ctx.store.cached(f"s8_{name}", compute)
+        (key, compute), = ffn_chunks(ctx, name)
+        entry = ctx.model_chunk(name, key, compute)
         L = len(entry["paper"]["gamma"])
         figs.append(plots.plot_curve(np.arange(1, L + 1), {
             "paper (N2, no FFN)": np.array(entry["paper"]["gamma"], float),
@@ -338,4 +370,7 @@ def section_ffn(ctx) -> SectionResult:
 section_layer_varying.title = "5. Layer-varying real models: γ_t and ρ_t"
 section_shared_real.title = "6. Real layers iterated as shared-weight systems"
 section_ffn.title = "8. What the FFN changes"
+section_layer_varying.model_chunks = layer_varying_chunks
+section_shared_real.model_chunks = shared_real_chunks
+section_ffn.model_chunks = ffn_chunks
 SECTIONS = [section_layer_varying, section_shared_real, section_ffn]

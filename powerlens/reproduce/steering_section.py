@@ -11,6 +11,8 @@ ordering) and its eigenvector is close to u.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..analysis import plots
@@ -62,12 +64,18 @@ def _compute(name: str, ctx) -> dict:
             "per_token_full_rank1": eff_closed["conditions"]["rank1"]["alignment_per_token"]}
 
 
+def steering_chunks(ctx, name: str):
+    """Section 7's chunks of model ``name`` (the default models only)."""
+    return [(f"s7_{name}", functools.partial(_compute, name, ctx))] if name in DEFAULT_MODELS else []
+
+
 def section_steering(ctx) -> SectionResult:
     found, _ = available_models(ctx)
     names = [n for n in DEFAULT_MODELS if n in found]
     rows = []
     for name in ctx.progress(names, "7 steering"):
-        rows.append(ctx.store.cached(f"s7_{name}", lambda name=name: _compute(name, ctx)))
+        (key, compute), = steering_chunks(ctx, name)
+        rows.append(ctx.model_chunk(name, key, compute))
     if not rows:
         return SectionResult("steering", "7. Steering", "", "skipped", "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
     figs, table = [], []
@@ -146,4 +154,5 @@ def section_steering(ctx) -> SectionResult:
 
 
 section_steering.title = "7. Steering with a rank-1 change of the last layer"
+section_steering.model_chunks = steering_chunks
 SECTIONS = [section_steering]

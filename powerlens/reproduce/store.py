@@ -28,6 +28,11 @@ class ChunkStore:
         os.makedirs(self.root, exist_ok=True)
         self.loaded = 0
         self.computed = 0
+        self._fresh = set()        # chunks another process of this run computed (counted as computed)
+
+    def adopt(self, names) -> None:
+        """Count chunks ``names``, computed by a worker process of this run, as computed here."""
+        self._fresh.update(names)
 
     def _path(self, name: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
@@ -40,7 +45,10 @@ class ChunkStore:
             try:
                 with open(path) as fh:
                     value = json.load(fh)
-                self.loaded += 1
+                if name in self._fresh:
+                    self.computed += 1
+                else:
+                    self.loaded += 1
                 return value
             except ValueError:  # a damaged chunk is recomputed (writes are atomic, so rare)
                 pass

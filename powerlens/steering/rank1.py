@@ -70,8 +70,9 @@ def check_alpha(alpha) -> float:
 def host_matrices(layers: Layers, layer: int):
     """W_o (d, H e), V_cat (H e, d) and F = W_o V_cat of unique layer ``layer`` in float64."""
     l = layer_index(layers, layer)
-    W_o = np.asarray(layers.W_o[l], np.float64)
-    V = np.asarray(value_matrix(layers)[l], np.float64)
+    one = layers.layer(l)
+    W_o = np.asarray(one.W_o, np.float64)
+    V = np.asarray(value_matrix(one), np.float64)
     return W_o, V, W_o @ V
 
 
