@@ -262,3 +262,66 @@ def write_gguf(path, model, arch: str, *, permute: bool, names=None, norm_shift:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+# ----------------------------------------------------------------------------- shared by the decoder tests
+
+def states(model, ids, mask):
+    """powerlens's hidden states "float64[K+1 B n d]" of token ids (B, n) with mask (B, n)."""
+    from powerlens.models import embed_ids, hidden_states
+    x0, valid = embed_ids(model, ids, mask.astype(bool))
+    return np.asarray(hidden_states(model, x0, valid), np.float64)
+
+
+def state_errors(model, hf, ids, mask, ref=None):
+    """(powerlens states, the max abs error of each against transformers' ``ref``, by default
+    :func:`hf_hidden_states`) on the valid tokens."""
+    valid = mask.astype(bool)
+    hs = states(model, ids, mask)
+    ref = hf_hidden_states(hf, ids, mask) if ref is None else ref
+    assert len(hs) == len(ref) and all(h.shape == np.shape(r) for h, r in zip(hs, ref))
+    return hs, [max_err(hs[k], ref[k], valid) for k in range(len(ref))]
+
+
+def case_fixture(configs: dict, seed: int):
+    """A module-scoped fixture ``case`` over ``configs`` (name -> (kind, config)): the tiny HF
+    model built in a folder, and powerlens's model loaded from it."""
+    import pytest
+
+    from powerlens.models import load
+
+    @pytest.fixture(scope="module", params=sorted(configs))
+    def case(request, tmp_path_factory):
+        kind, cfg = configs[request.param]
+        folder = str(tmp_path_factory.mktemp(request.param))
+        hf = build(kind, folder, seed=seed + sorted(configs).index(request.param), **cfg)
+        return dict(name=request.param, kind=kind, cfg=cfg, hf=hf, folder=folder, model=load(folder))
+
+    return case
+
+
+def edited_copy(src, tmp_path, edit, name="variant"):
+    """A copy of the model folder ``src`` whose config.json went through ``edit(cfg)``."""
+    import json
+    import shutil
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    cfg = json.load(open(dst / "config.json"))
+    edit(cfg)
+    json.dump(cfg, open(dst / "config.json", "w"))
+    return str(dst)
+
+
+def check_gguf_model(model, hf, tol: float):
+    """A model read from a tiny GGUF file against the HF model it was written from: every hidden
+    state and the logits on right- and left-padded batches, and F_t = W_o V against the torch weights."""
+    from powerlens.dynamics.params import layer_matrices
+    from powerlens.models import logits
+    for left in (False, True):
+        ids, mask = batch(left=left)
+        hs, errs = state_errors(model, hf, ids, mask)
+        assert max(errs) <= tol, errs
+        ref_lg = hf_logits(hf, ids, mask)
+        assert max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, mask.astype(bool)) <= \
+            tol * np.abs(ref_lg).max()
+    np.testing.assert_allclose(np.asarray(layer_matrices(model.layers)), llama_F(hf), atol=1e-5)

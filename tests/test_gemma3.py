@@ -65,6 +65,20 @@ def gemma():
     return dict(path=path, ours=ours, ref=ref, ref_tok=ref_tok)
 
 
+GEMMA3_STRINGS = ["The capital of France is", "Hello, world!", "  leading spaces", "trailing spaces   ",
+                  "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve", "日本語のテキスト", "emoji 🤖🚀 here",
+                  "numbers 1234567890 3.14159", "code: def f(x): return x**2", "<start_of_turn>user\nhi<end_of_turn>",
+                  "<bos>explicit bos", "MiXeD CaSe WoRdS", "a" * 50, "don't won't can't", "e-mail: a.b@c.de",
+                  "https://example.com/path?q=1", "   ", "Ελληνικά και русский", "x"]
+
+
+def test_tokenizer_ids_equal_transformers(gemma):
+    """Spaces, tabs, newlines, scripts, emoji, special tokens written in the text."""
+    ours = tokenizer(gemma["ours"])
+    for s in GEMMA3_STRINGS:
+        assert list(ours(s)["input_ids"]) == list(gemma["ref_tok"](s)["input_ids"]), s
+
+
 def _ids(gemma, text):
     ids = list(tokenizer(gemma["ours"])(text)["input_ids"])
     assert ids == list(gemma["ref_tok"](text)["input_ids"]), text

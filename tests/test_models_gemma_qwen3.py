@@ -12,9 +12,7 @@ breaks the match).
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, hidden_states, load, logits, run_states  # noqa: E402
+from powerlens.models import CheckpointError, embed_ids, load, logits, run_states  # noqa: E402
 from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
@@ -51,24 +49,14 @@ EXPECTED_WINDOWS = {"qwen3_a": [0, 3, 3], "qwen3_b": [0, 0, 0], "gemma_a": [0, 0
                     "gemma2_a": [3, 0, 3], "gemma3_a": [3, 0, 3], "gemma3_b": [3, 3, 0]}
 
 
-def _states(model, ids, mask):
-    x0, valid = embed_ids(model, ids, mask.astype(bool))
-    return np.asarray(hidden_states(model, x0, valid), np.float64)
+_states = T.states
 
 
 def _errors(model, hf, ids, mask):
-    valid = mask.astype(bool)
-    hs, ref = _states(model, ids, mask), T.hf_hidden_states(hf, ids, mask)
-    assert hs.shape == ref.shape
-    return hs, [T.max_err(hs[k], ref[k], valid) for k in range(len(ref))]
+    return T.state_errors(model, hf, ids, mask)
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def case(request, tmp_path_factory):
-    kind, cfg = CONFIGS[request.param]
-    folder = str(tmp_path_factory.mktemp(request.param))
-    hf = T.build(kind, folder, seed=20 + sorted(CONFIGS).index(request.param), **cfg)
-    return dict(name=request.param, kind=kind, cfg=cfg, hf=hf, folder=folder, model=load(folder))
+case = T.case_fixture(CONFIGS, seed=20)
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
@@ -201,13 +189,7 @@ def test_pre_ln_of_a_sandwich_block_is_x_plus_postnorm_attn_prenorm_x(case):
 
 
 # ----------------------------------------------------------------------------- config styles
-def _edited(src, tmp_path, edit, name="variant"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    cfg = json.load(open(dst / "config.json"))
-    edit(cfg)
-    json.dump(cfg, open(dst / "config.json", "w"))
-    return str(dst)
+_edited = T.edited_copy
 
 
 def _old_gemma3(cfg):
@@ -314,14 +296,7 @@ def test_tiny_qwen3_gguf_matches_transformers(tmp_path):
                         names=T.GGUF_QK_NORM_NAMES)
     model = load(path)
     assert model.info.family == "qwen3" and model.config.rope_theta == 700.0 and model.layers.q_norm_scale is not None
-    for left in (False, True):
-        ids, mask = T.batch(left=left)
-        hs, errs = _errors(model, hf, ids, mask)
-        assert max(errs) <= TOL, errs
-        ref_lg = T.hf_logits(hf, ids, mask)
-        assert T.max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, mask.astype(bool)) <= \
-            TOL * np.abs(ref_lg).max()
-    np.testing.assert_allclose(np.asarray(layer_matrices(model.layers)), T.llama_F(hf), atol=1e-5)
+    T.check_gguf_model(model, hf, TOL)
 
 
 def test_tiny_gemma3_gguf_matches_transformers(tmp_path):
@@ -343,11 +318,4 @@ def test_tiny_gemma3_gguf_matches_transformers(tmp_path):
     assert model.info.family == "gemma3" and model.info.final_logit_softcap == 6.0
     np.testing.assert_array_equal(np.asarray(model.layers.window), [3, 3, 3, 3, 3, 0])
     np.testing.assert_array_equal(np.asarray(model.layers.rope_base), [1e4] * 5 + [50.0])
-    for left in (False, True):
-        ids, mask = T.batch(left=left)
-        hs, errs = _errors(model, hf, ids, mask)
-        assert max(errs) <= TOL, errs
-        ref_lg = T.hf_logits(hf, ids, mask)
-        assert T.max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, mask.astype(bool)) <= \
-            TOL * np.abs(ref_lg).max()
-    np.testing.assert_allclose(np.asarray(layer_matrices(model.layers)), T.llama_F(hf), atol=1e-5)
+    T.check_gguf_model(model, hf, TOL)

@@ -11,9 +11,7 @@ layer types transformers derives from the same config.json.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, hidden_states, load, logits  # noqa: E402
+from powerlens.models import CheckpointError, load, logits  # noqa: E402
 from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
@@ -42,17 +40,8 @@ CONFIGS = {
 }
 
 
-def _states(model, ids, mask):
-    x0, valid = embed_ids(model, ids, mask.astype(bool))
-    return np.asarray(hidden_states(model, x0, valid), np.float64)
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def case(request, tmp_path_factory):
-    kind, cfg = CONFIGS[request.param]
-    folder = str(tmp_path_factory.mktemp(request.param))
-    hf = T.build(kind, folder, seed=10 + sorted(CONFIGS).index(request.param), **cfg)
-    return dict(name=request.param, kind=kind, cfg=cfg, hf=hf, folder=folder, model=load(folder))
+_states = T.states
+case = T.case_fixture(CONFIGS, seed=10)
 
 
 @pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
@@ -108,13 +97,7 @@ def test_layer_matrices_match_torch_weights(case):
 
 
 # ----------------------------------------------------------------------------- config styles
-def _edited(src, tmp_path, edit, name="variant"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    cfg = json.load(open(dst / "config.json"))
-    edit(cfg)
-    json.dump(cfg, open(dst / "config.json", "w"))
-    return str(dst)
+_edited = T.edited_copy
 
 
 def _old_style(cfg):
@@ -193,15 +176,7 @@ def test_tiny_gguf_matches_transformers(tmp_path, arch, kind, cfg):
     model = load(T.write_gguf(tmp_path / f"tiny-{arch}.gguf", hf, arch, permute=ARCHITECTURES[arch].permuted_qk))
     assert model.info.family == arch and model.config.rope_theta == cfg["rope_theta"]
     assert model.layers.b_q is not None and (model.layers.b_o is None) == (arch == "qwen2")
-    for left in (False, True):
-        ids, mask = T.batch(left=left)
-        valid = mask.astype(bool)
-        hs, ref = _states(model, ids, mask), T.hf_hidden_states(hf, ids, mask)
-        errs = [T.max_err(hs[k], ref[k], valid) for k in range(len(ref))]
-        assert max(errs) <= TOL, errs
-        ref_lg = T.hf_logits(hf, ids, mask)
-        assert T.max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, valid) <= TOL * np.abs(ref_lg).max()
-    np.testing.assert_allclose(np.asarray(layer_matrices(model.layers)), T.llama_F(hf), atol=1e-5)
+    T.check_gguf_model(model, hf, TOL)
 
 
 def test_qwen2_gguf_is_not_permuted(tmp_path):
@@ -274,22 +249,3 @@ def test_gemma3_is_assembled_on_first_use_in_the_users_cache(tmp_path, monkeypat
     assert path == str(tmp_path / ".cache" / GEMMA3 / "gemma-3-270m-q4_k_m.gguf")
     assert os.listdir(os.path.dirname(path)) == ["gemma-3-270m-q4_k_m.gguf"]    # no partial file left
     assert resolve("gemma3") == path
-
-
-GEMMA3_STRINGS = ["The capital of France is", "Hello, world!", "  leading spaces", "trailing spaces   ",
-                  "tabs\tand\nnewlines\n\n", "ünïcödé façade naïve", "日本語のテキスト", "emoji 🤖🚀 here",
-                  "numbers 1234567890 3.14159", "code: def f(x): return x**2", "<start_of_turn>user\nhi<end_of_turn>",
-                  "<bos>explicit bos", "MiXeD CaSe WoRdS", "a" * 50, "don't won't can't", "e-mail: a.b@c.de",
-                  "https://example.com/path?q=1", "   ", "Ελληνικά και русский", "x"]
-
-
-@pytest.mark.slow
-@needs_gemma3
-def test_gemma3_tokenizer_matches_transformers():
-    from powerlens.models.gguf_tokenizer import gguf_tokenizer
-    from powerlens.models.load import resolve
-    path = resolve("gemma3")
-    ours = gguf_tokenizer(path)
-    ref = tf.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    for s in GEMMA3_STRINGS:
-        assert list(ours(s)["input_ids"]) == list(ref(s)["input_ids"]), s

@@ -16,7 +16,6 @@ opt-350m shape) and without; Phi (parallel block with one shared LayerNorm, part
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 
@@ -29,7 +28,7 @@ tf = pytest.importorskip("transformers")
 import hf_tiny_decoders as T  # noqa: E402
 from powerlens.dynamics.layer import faithful_rule  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, hidden_states, load, logits  # noqa: E402
+from powerlens.models import CheckpointError, load, logits  # noqa: E402
 
 TOL = 1e-4
 
@@ -46,9 +45,7 @@ CONFIGS = {
 }
 
 
-def _states(model, ids, mask):
-    x0, valid = embed_ids(model, ids, mask.astype(bool))
-    return np.asarray(hidden_states(model, x0, valid), np.float64)
+_states = T.states
 
 
 def _hf_states(hf, ids, mask):
@@ -62,12 +59,7 @@ def _sd(hf):
     return {k: v.double().numpy() for k, v in hf.state_dict().items()}
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def case(request, tmp_path_factory):
-    kind, cfg = CONFIGS[request.param]
-    folder = str(tmp_path_factory.mktemp(request.param))
-    hf = T.build(kind, folder, seed=20 + sorted(CONFIGS).index(request.param), **cfg)
-    return dict(name=request.param, kind=kind, cfg=cfg, hf=hf, folder=folder, model=load(folder))
+case = T.case_fixture(CONFIGS, seed=20)
 
 
 def _project_out(case):
@@ -202,13 +194,7 @@ def test_the_phi3_window_matters(case):
 
 
 # ----------------------------------------------------------------------------- config styles
-def _edited(src, tmp_path, edit, name="variant"):
-    dst = tmp_path / name
-    shutil.copytree(src, dst)
-    cfg = json.load(open(dst / "config.json"))
-    edit(cfg)
-    json.dump(cfg, open(dst / "config.json", "w"))
-    return str(dst)
+_edited = T.edited_copy
 
 
 def _neox_old(cfg):

@@ -41,6 +41,7 @@ import numpy as np
 from matplotlib import patches
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from ..io import public_mode
 
@@ -520,6 +521,8 @@ def plot_curve(x, ys: ArrayOrDict, path, *, xlabel: str, ylabel: str, logx: bool
         ax.axhline(v, color=f"C{len(series) + j}", ls="--", lw=1.1, alpha=0.8, label=k)
     if logx:
         ax.set_xscale("log")
+    elif np.all(xv[np.isfinite(xv)] == np.round(xv[np.isfinite(xv)])):   # layers, steps: whole ticks only
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)

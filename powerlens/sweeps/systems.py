@@ -35,6 +35,7 @@ from flax import struct
 
 from ..analysis.spectra import layer_spectra, reference_subspaces, sweep_subspaces
 from ..dynamics.params import LayerConfig, Layers, layer_matrices
+from ..dynamics.schedule import Schedule
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
 from ..dynamics.sweep import stack_systems
 from ..dynamics.synthetic import parse_spectrum
@@ -48,7 +49,7 @@ class Systems:
     """One system (add a leading axis S for a batch).
 
     Attributes:
-      layers: :class:`Layers` with one unique layer and the schedule ``(0,) * T``.
+      layers: :class:`Layers` with one unique layer and the schedule ``Schedule.repeat(0, T)``.
       x0: "float[n d]" initial tokens; valid: "bool[n]".
       subspaces: the references of the alignment measures ("float[1 m d k]"), principal in
         the spec's ``order``.
@@ -196,7 +197,7 @@ def synthetic(seed, p: Dict[str, Any], st: Static) -> Systems:
     V = z["value"] / np.sqrt(d)
     W_o = solve(V.T, F.T).T                                         # F V^-1 (H e = d)
     W_q, W_k = z["qk"]
-    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=(0,) * st.steps)
+    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=Schedule.repeat(0, st.steps))
     layers = Layers(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
                     scale=jnp.full((1,), p["beta"] / np.sqrt(e), dt), window=jnp.zeros((1,), jnp.int32),
                     config=cfg)
