@@ -14,7 +14,9 @@ that the two agree, then times each side (best of ``--repeat`` after a warm-up; 
        T = 1,000 steps (paper rule, states kept), against a torch loop over the steps.
     C  the gradient of a scalar of the final states (mean gamma against a fixed direction u)
        with respect to the last layer's W_o, through all MiniLM layers (paper rule):
-       ``jax.grad`` against torch autograd.
+       ``jax.grad`` against torch autograd. Two JAX forms: the first U-1 layers run forward
+       and only the last is differentiated (what torch autograd does by itself, as only
+       W_o_last requires grad), and the whole scan differentiated (4x the work).
     D  the sweep of ``benchmarks/simulate.py`` (S synthetic systems, d = 64, n = 32, 4 heads,
        T = 200, every measure) against the same maths in batched torch (bmm over systems).
     E  gradient steering (``benchmarks/steering.py``'s problem: MiniLM's last layer, rank-1
@@ -294,15 +296,30 @@ def workload_c(model, repeat, report):
     u /= np.linalg.norm(u)
     ju, jv = jnp.asarray(u), jnp.asarray(valid)
 
-    def loss(W_o_last, layers, x):
-        lay = layers.replace(W_o=layers.W_o.at[-1].set(W_o_last))
-        Y = jax.vmap(lambda x1, v1: pl.run(lay, x1, v1, rule="paper", attention="softmax",
-                                           observers={"final": pl.final()})["final"])(x, jv)
+    U = L.n_unique
+
+    def final(lay, x):
+        return jax.vmap(lambda x1, v1: pl.run(lay, x1, v1, rule="paper", attention="softmax",
+                                              observers={"final": pl.final()})["final"])(x, jv)
+
+    def score(Y):
         g = jnp.abs(Y @ ju) / jnp.linalg.norm(Y, axis=-1)
         return jnp.sum(g * jv) / jnp.sum(jv)
-    grad = jax.jit(jax.grad(loss))
+
+    def loss_scan(W_o_last, layers, x):
+        """The whole scan differentiated: W_o_last enters the stacked W_o, so every step's
+        gather carries a cotangent and the backward pass runs through all U layers."""
+        return score(final(layers.replace(W_o=layers.W_o.at[-1].set(W_o_last)), x))
+
+    def loss(W_o_last, layers, x):
+        """The first U-1 layers forward, then the last one with W_o_last: only the last layer
+        is differentiated, as torch autograd does on its own (only W_o_last requires grad)."""
+        head, last = layers.select(range(U - 1)), layers.select([U - 1])
+        return score(final(last.replace(W_o=W_o_last[None]), final(head, x)))
+    grad, grad_scan = jax.jit(jax.grad(loss)), jax.jit(jax.grad(loss_scan))
     jx = jnp.asarray(x0)
     gj = np.asarray(grad(L.W_o[-1], L, jx))
+    gj_scan = np.asarray(grad_scan(L.W_o[-1], L, jx))
     params = torch_layers(L)
     tx, tv, tu = torch.from_numpy(x0), torch.from_numpy(valid), torch.from_numpy(u)
     sched = list(L.schedule)
@@ -316,11 +333,12 @@ def workload_c(model, repeat, report):
         val.backward()
         return W.grad
     gt = torch_grad().numpy()
-    err = float(np.max(np.abs(gj - gt)) / np.max(np.abs(gt)))
-    t_pl = best_of(jax_call(lambda: grad(L.W_o[-1], L, jx)), repeat)
     t_t = best_of(torch_grad, repeat)
-    report(dict(workload="C", model="minilm", size="4x32", rule="paper", what="grad W_o",
-                powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, rel_err=err))
+    for what, g, f in (("grad W_o", gj, grad), ("grad W_o whole scan", gj_scan, grad_scan)):
+        err = float(np.max(np.abs(g - gt)) / np.max(np.abs(gt)))
+        t_pl = best_of(jax_call(lambda f=f: f(L.W_o[-1], L, jx)), repeat)
+        report(dict(workload="C", model="minilm", size="4x32", rule="paper", what=what,
+                    powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, rel_err=err))
 
 
 def workload_d(S, T, repeat, report):
