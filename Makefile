@@ -34,7 +34,7 @@ setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
 test: $(VENV)/.test
-	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) -q tests
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n $(JOBS) --dist worksteal --durations=20 -q tests
 
 reproduce: $(VENV)/.runtime
 	$(VENV)/bin/powerlens reproduce
