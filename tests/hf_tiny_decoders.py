@@ -273,12 +273,11 @@ def states(model, ids, mask):
     return np.asarray(hidden_states(model, x0, valid), np.float64)
 
 
-def state_errors(model, hf, ids, mask, ref=None):
-    """(powerlens states, the max abs error of each against transformers' ``ref``, by default
-    :func:`hf_hidden_states`) on the valid tokens."""
+def state_errors(model, hf, ids, mask):
+    """(powerlens states, the max abs error of each against :func:`hf_hidden_states`) on the valid tokens."""
     valid = mask.astype(bool)
     hs = states(model, ids, mask)
-    ref = hf_hidden_states(hf, ids, mask) if ref is None else ref
+    ref = hf_hidden_states(hf, ids, mask)
     assert len(hs) == len(ref) and all(h.shape == np.shape(r) for h, r in zip(hs, ref))
     return hs, [max_err(hs[k], ref[k], valid) for k in range(len(ref))]
 

@@ -50,12 +50,7 @@ EXPECTED_WINDOWS = {"qwen3_a": [0, 3, 3], "qwen3_b": [0, 0, 0], "gemma_a": [0, 0
 
 
 _states = T.states
-
-
-def _errors(model, hf, ids, mask):
-    return T.state_errors(model, hf, ids, mask)
-
-
+_errors = T.state_errors
 case = T.case_fixture(CONFIGS, seed=20)
 
 
