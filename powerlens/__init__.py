@@ -6,7 +6,7 @@ The whole tour in one namespace::
 
     # a synthetic shared-weight system with a prescribed spectrum of F = O V
     layers = pl.synthetic_system([2.0, 0.5 + 1.0j, 0.3], kind="normal", heads=2, d=8, steps=60)
-    spectra = pl.layer_spectra(pl.layer_matrices(layers))        # both orderings, per layer
+    spectra = pl.spectra_of(layers)                               # both orderings, per layer
     subs = pl.reference_subspaces(spectra)                        # principal + random + other layer
     x0 = pl.sphere_tokens(np.random.default_rng(0), 16, 8)        # (n, d)
     out = pl.run(layers, x0, None, rule="paper", attention="softmax",
@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # dynamics: parameters, the one scan and its observers, synthetic systems
     **{n: ("powerlens.dynamics", n) for n in (
-        "Layer", "LayerConfig", "Layers", "layer_matrices", "make_layers", "constant_term", "value_matrix",
+        "Layer", "LayerConfig", "Layers", "layer_matrices", "layer_factors", "make_layers", "constant_term", "value_matrix",
         "RULES", "ATTENTION_MODES", "layer_step", "attention_output", "faithful_rule",
         "Subspaces", "null_subspaces", "REFERENCES",
         "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final", "finite",
@@ -54,7 +54,7 @@ _EXPORTS = {
         "Model", "ModelInfo", "CheckpointError")},
     # analysis: spectra, statistics, alignment of a model
     **{n: ("powerlens.analysis", n) for n in (
-        "ORDERS", "LayerSpectrum", "layer_spectra", "reference_subspaces", "spectra_json", "sweep_subspaces",
+        "ORDERS", "LayerSpectrum", "layer_spectra", "spectra_of", "reference_subspaces", "spectra_json", "sweep_subspaces",
         "binomial_pvalue", "chance_gamma", "chance_gamma_std", "random_subspace",
         "AlignResult", "align_model", "model_spectra", "run_system")},
     "align": ("powerlens.analysis", "align_model"),

@@ -161,6 +161,71 @@ def test_defective_and_near_repeated_top():
         np.testing.assert_allclose(sp.basis @ sp.basis.T, Qs @ Qs.T, atol=1e-6)
 
 
+# ------------------------------------------------------------------ low-rank F = A B
+
+def _low_rank(eigs, d, seed):
+    """F = A B with B A = S diag(eigs) S^-1 (r = len(eigs) < d): the nonzero eigenvalues of F
+    are exactly ``eigs`` and the other d - r are 0, with eigenspace null(B)."""
+    rng = np.random.default_rng(seed)
+    r = len(eigs)
+    B = rng.standard_normal((r, d))
+    S = np.eye(r) + 0.3 * rng.standard_normal((r, r))
+    M = S @ np.diag(eigs) @ np.linalg.inv(S)
+    A = B.T @ np.linalg.solve(B @ B.T, M)          # B A = M
+    return A, B
+
+
+@pytest.mark.parametrize("eigs", [[2.5, -1.9, 0.7, 0.3, -0.2, 0.1], [-0.6, -1.3, -0.4, -1.5]])
+def test_factored_spectra_match_the_full_eig(eigs):
+    """``layer_spectra(F, factors=(A, B))`` (eig of the r x r matrix B A) against the full eig of
+    F = A B: the same eigenvalues, groups, keys and principal subspaces. In the second case
+    every nonzero eigenvalue has |1 + lambda| < 1, so in the shifted ordering the principal
+    group is the d - r zeros (key 1) and its subspace is null(B), of dimension d - r."""
+    d = 14
+    A, B = _low_rank(eigs, d, seed=11)
+    F = A @ B
+    full, = layer_spectra(F)
+    fact, = layer_spectra(F, factors=(A[None], B[None]))
+    for order in ("shifted", "plain"):
+        x, y = full.get(order), fact.get(order)
+        assert (x.dim, x.is_complex) == (y.dim, y.is_complex)
+        np.testing.assert_allclose(y.eigenvalues[:len(eigs)], x.eigenvalues[:len(eigs)], atol=1e-9)
+        np.testing.assert_allclose([y.mu1, y.mu2], [x.mu1, x.mu2], atol=1e-9)
+        np.testing.assert_allclose(y.basis @ y.basis.T, x.basis @ x.basis.T, atol=1e-8)
+        np.testing.assert_allclose(F @ y.basis, y.basis @ (y.basis.T @ F @ y.basis), atol=1e-8)  # invariant
+    lam = np.array(eigs)
+    if np.all(np.abs(1 + lam) < 1):
+        sp = fact.shifted
+        assert sp.dim == d - len(eigs) and sp.mu1 == 1.0
+        assert np.max(np.abs(B @ sp.basis)) < 1e-10                   # null(B)
+        np.testing.assert_allclose(sp.mu2, np.max(np.abs(1 + lam)), rtol=1e-12)
+    else:
+        k = np.argmax(np.abs(1 + lam))
+        np.testing.assert_allclose(fact.shifted.top, lam[k], rtol=1e-12)
+        np.testing.assert_allclose(fact.shifted.ratio, np.sort(np.abs(1 + lam))[-2] / np.abs(1 + lam[k]),
+                                   rtol=1e-12)
+
+
+def test_layer_factors_of_grouped_query_attention():
+    """W_o summed over the query heads of each key/value head, times W_v of the G heads, is
+    F = W_o V_cat with V repeated over the groups (H = 6 query heads on G = 2)."""
+    from powerlens.analysis.spectra import spectra_of
+    from powerlens.dynamics.params import layer_factors, layer_matrices
+    rng = np.random.default_rng(12)
+    U, H, G, e, d = 2, 6, 2, 3, 16
+    cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, norm="l2")
+    layers = make_layers(rng.standard_normal((U, G, e, d)), rng.standard_normal((U, d, H * e)), config=cfg)
+    A, B = (np.asarray(m, np.float64) for m in layer_factors(layers))
+    assert A.shape == (U, d, G * e) and B.shape == (U, G * e, d)
+    F = np.asarray(layer_matrices(layers), np.float64)
+    np.testing.assert_allclose(A @ B, F, rtol=1e-5, atol=1e-5)
+    for x, y in zip(layer_spectra(F), spectra_of(layers)):
+        assert x.shifted.dim == y.shifted.dim
+        np.testing.assert_allclose(y.shifted.eigenvalues[:G * e], x.shifted.eigenvalues[:G * e], atol=1e-4)
+        np.testing.assert_allclose(y.shifted.basis @ y.shifted.basis.T, x.shifted.basis @ x.shifted.basis.T,
+                                   atol=1e-5)
+
+
 # ----------------------------------------------------------------- negative dominant eigenvalue
 
 def test_negative_dominant_orderings_differ():

@@ -18,14 +18,13 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from ..dynamics.layer import RULES, faithful_rule
-from ..dynamics.params import layer_matrices
 from .experiment import StepMeasures, plot_measures, run_system
-from .spectra import ORDERS, LayerSpectrum, layer_spectra
+from .spectra import ORDERS, LayerSpectrum, spectra_of
 
 
 def model_spectra(model) -> List[LayerSpectrum]:
     """Spectra of every unique layer's F_t (float64 on the host)."""
-    return layer_spectra(np.asarray(layer_matrices(model.layers), np.float64))
+    return spectra_of(model.layers)
 
 
 def resolve_rule(model, rule: str) -> str:

@@ -19,12 +19,12 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ..dynamics.inputs import check_tokens
-from ..dynamics.params import Layers, layer_matrices
+from ..dynamics.params import Layers
 from ..dynamics.schedule import Schedule
 from ..dynamics.simulate import pooled, simulate_batch
 from ..dynamics.subspaces import Subspaces
 from .measures import binomial_pvalue, chance_gamma, chance_gamma_std
-from .spectra import LayerSpectrum, check_order, layer_spectra, reference_subspaces
+from .spectra import LayerSpectrum, check_order, reference_subspaces, spectra_of
 
 
 @dataclasses.dataclass
@@ -242,7 +242,7 @@ def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention
     if X0.ndim == 2:
         X0 = X0[None]
     if spectra is None:
-        spectra = layer_spectra(np.asarray(layer_matrices(layers)))
+        spectra = spectra_of(layers)
     subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.W_v.dtype)
     schedule = layers.schedule
     T = len(schedule)

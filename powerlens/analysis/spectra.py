@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-from ..dynamics.params import Layers, layer_matrices
+from ..dynamics.params import Layers, layer_factors, layer_matrices
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces  # noqa: F401  (Subspaces re-exported)
 from .measures import random_subspace
 
@@ -124,8 +124,10 @@ def _schur_basis(F: np.ndarray, order: str, threshold: float):
     return np.array(Z[:, :sdim]), int(sdim)
 
 
-def _ordered(F: np.ndarray, w: np.ndarray, V: np.ndarray, order: str, group_rtol: float) -> OrderedSpectrum:
-    """One ordering of a layer's eigen-decomposition (w, V from a single ``eig``).
+def _ordered(F: np.ndarray, w: np.ndarray, vectors, order: str, group_rtol: float) -> OrderedSpectrum:
+    """One ordering of a layer's eigen-decomposition: eigenvalues w "complex[d]" and
+    ``vectors(cols)``, the eigenvectors "[d len(cols)]" of the eigenvalues w[cols] (from a
+    single ``eig``; only the principal group's and the next group's are asked for).
 
     The principal basis is the real span of the group's eigenvectors; when they are
     (numerically) dependent -- a defective eigenvalue -- it falls back to an ordered
@@ -133,12 +135,12 @@ def _ordered(F: np.ndarray, w: np.ndarray, V: np.ndarray, order: str, group_rtol
     """
     key = order_key(w, order)
     idx = np.argsort(-key, kind="stable")
-    w, key, V = w[idx], key[idx], V[:, idx]
+    w, key = w[idx], key[idx]
     mu1 = float(key[0])
     dim = int(np.sum(key >= mu1 * (1.0 - group_rtol) - 1e-12))
     mu2 = float(key[dim]) if dim < len(key) else 0.0
     top = w[0] if w[0].imag >= 0 else np.conj(w[0])      # canonical: Im >= 0
-    basis, rank = _real_span(V[:, :dim])
+    basis, rank = _real_span(vectors(idx[:dim]))
     if rank != dim:
         threshold = 0.5 * (float(key[dim - 1]) + mu2) if dim < len(key) else -1.0
         basis, dim = _schur_basis(F, order, threshold)
@@ -153,7 +155,7 @@ def _ordered(F: np.ndarray, w: np.ndarray, V: np.ndarray, order: str, group_rtol
         j = dim + 1
         while j < len(key) and key[j] >= key[dim] * (1.0 - group_rtol):
             j += 1
-        cand, _ = _real_span(V[:, dim:j])
+        cand, _ = _real_span(vectors(idx[dim:j]))
         cand = cand - basis @ (basis.T @ cand)
         k = int(np.argmax(np.linalg.norm(cand, axis=0)))
         plane = np.concatenate([basis, cand[:, k:k + 1] / np.linalg.norm(cand[:, k])], axis=1)
@@ -166,40 +168,109 @@ SYMMETRY_RTOL = 1e-5
 a symmetric F = O V leaves an asymmetry near 1e-7 of its scale, a genuine rotation far more."""
 
 
+def _symmetric(f: np.ndarray) -> bool:
+    with np.errstate(all="ignore"):
+        return bool(np.max(np.abs(0.5 * f - 0.5 * f.T)) <= 0.5 * SYMMETRY_RTOL * np.max(np.abs(f)))
+
+
 def _eig(f: np.ndarray):
     """Eigenvalues "complex[d]" and eigenvectors "[d d]" of F. A numerically symmetric F (see
     :data:`SYMMETRY_RTOL`) goes through ``eigh`` of its symmetric part: its spectrum is real,
     so the many zero eigenvalues of a padded symmetric system never come out as tiny complex
     pairs, as they do from ``eig``."""
     with np.errstate(all="ignore"):           # an F near the largest float overflows here: reported below
-        if np.max(np.abs(0.5 * f - 0.5 * f.T)) <= 0.5 * SYMMETRY_RTOL * np.max(np.abs(f)):
+        if _symmetric(f):
             w, V = np.linalg.eigh(0.5 * f + 0.5 * f.T)
             return w.astype(complex), V
         return np.linalg.eig(f)
 
 
-def _layer(i: int, f: np.ndarray, group_rtol: float) -> LayerSpectrum:
-    w, V = _eig(f)
-    if not np.all(np.isfinite(w)) or not np.all(np.isfinite(V)):
+FACTOR_RTOL = 1e-10
+"""The low-rank eig (:func:`_eig_factored`) needs every eigenvector A y of F = A B nonzero:
+||A y|| above this fraction of ||A||_F (y a unit vector); otherwise the full eig runs."""
+
+
+def _eig_factored(A: np.ndarray, B: np.ndarray):
+    """Eigenvalues "complex[d]" and ``vectors(cols)`` (see :func:`_ordered`) of F = A B,
+    A "[d r]", B "[r d]", r < d, from the r x r matrix M = B A.
+
+    det(lambda I_d - A B) = lambda^(d-r) det(lambda I_r - B A), so the eigenvalues of F are those
+    of M and d - r zeros. F (A y) = A (B A) y = lambda A y: every eigenpair (lambda, y) of M
+    gives the eigenpair (lambda, A y) of F. The zeros get an orthonormal basis of a
+    (d - r)-dimensional subspace of null(B), inside null(F): the last d - r columns of Q in a
+    QR of B^T, which are orthogonal to range(B^T) whatever the rank of B. O(r^3) instead of
+    O(d^3); the null-space basis (O(d^2 r)) is computed only when a caller asks for one of
+    its vectors. None when some A y vanishes (the caller runs the full eig)."""
+    r, d = B.shape
+    w, Y = np.linalg.eig(B @ A)
+    X = A @ Y
+    norms = np.linalg.norm(X, axis=0)
+    if not np.all(norms > FACTOR_RTOL * np.linalg.norm(A)):
+        return None
+    X = X / norms
+    null = []
+
+    def vectors(cols):
+        cols = np.asarray(cols, int)
+        if np.all(cols < r):
+            return X[:, cols]
+        if not null:
+            null.append(scipy.linalg.qr(B.T, mode="full")[0][:, r:])
+        return np.concatenate([X, null[0]], axis=1)[:, cols]
+
+    return np.concatenate([w, np.zeros(d - r, complex)]), vectors
+
+
+def _layer(i: int, f: np.ndarray, group_rtol: float, factors=None) -> LayerSpectrum:
+    eig = None
+    if factors is not None and not _symmetric(f):
+        with np.errstate(all="ignore"):
+            eig = _eig_factored(*factors)
+    if eig is None:
+        w, V = _eig(f)
+        vectors = lambda cols: V[:, cols]
+        finite = np.all(np.isfinite(V))
+    else:
+        w, vectors = eig
+        finite = True
+    if not np.all(np.isfinite(w)) or not finite:
         raise ValueError(f"F of layer {i} has non-finite eigenvalues or eigenvectors (max |F| = "
                          f"{np.max(np.abs(f)):.3g}: are the weights too large?)")
-    return LayerSpectrum(layer=i, shifted=_ordered(f, w, V, "shifted", group_rtol),
-                         plain=_ordered(f, w, V, "plain", group_rtol))
+    return LayerSpectrum(layer=i, shifted=_ordered(f, w, vectors, "shifted", group_rtol),
+                         plain=_ordered(f, w, vectors, "plain", group_rtol))
 
 
-def layer_spectra(F, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
-    """Spectra of a stack F (U, d, d) in both orderings, one :class:`LayerSpectrum` each."""
+def layer_spectra(F, *, group_rtol: float = 1e-4, factors=None) -> List[LayerSpectrum]:
+    """Spectra of a stack F (U, d, d) in both orderings, one :class:`LayerSpectrum` each.
+
+    ``factors``: optionally (A "[U d r]", B "[U r d]") with F = A B and r < d, e.g.
+    :func:`~powerlens.dynamics.params.layer_factors` (grouped-query attention); the
+    eigen-decomposition then comes from the r x r matrices B A (:func:`_eig_factored`).
+    """
     precision = np.dtype(getattr(F, "dtype", np.float64)).name
     F = np.asarray(F, dtype=np.float64)
     if F.ndim == 2:
         F = F[None]
     if F.ndim != 3 or F.shape[1] != F.shape[2]:
         raise ValueError(f"F must have shape (L, d, d), got {F.shape}")
+    if factors is not None:
+        A, B = (np.asarray(m, np.float64).reshape((-1,) + np.shape(m)[-2:]) for m in factors)
+        r = A.shape[-1]
+        if A.shape != F.shape[:2] + (r,) or B.shape != (F.shape[0], r, F.shape[2]):
+            raise ValueError(f"factors of F {F.shape} must have shapes (L, d, r) and (L, r, d), got "
+                             f"{A.shape} and {B.shape}")
+        factors = list(zip(A, B)) if r < F.shape[1] else None
     if not np.all(np.isfinite(F)):
         bad = sorted({int(i) for i in np.argwhere(~np.isfinite(F))[:, 0]})
         raise ValueError(f"F contains non-finite values at layer(s) {bad[:8]}: F = W_o V_cat overflowed "
                          f"(are the weights too large for {precision}?)")
-    return [_layer(i, f, group_rtol) for i, f in enumerate(F)]
+    return [_layer(i, f, group_rtol, None if factors is None else factors[i]) for i, f in enumerate(F)]
+
+
+def spectra_of(layers: Layers, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
+    """:func:`layer_spectra` of every unique layer of ``layers`` (float64 on the host), through
+    the r x r factors of :func:`~powerlens.dynamics.params.layer_factors` where r < d."""
+    return layer_spectra(np.asarray(layer_matrices(layers)), group_rtol=group_rtol, factors=layer_factors(layers))
 
 
 def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:
@@ -239,7 +310,7 @@ def sweep_subspaces(systems: Sequence[Layers], *, order: str = "shifted", seed: 
     """Spectra of every system (a list of lists of :class:`LayerSpectrum`) and their stacked
     reference subspaces (leading system axis S), for
     :func:`powerlens.dynamics.sweep.simulate_sweep`; system i uses seed ``seed + i``."""
-    spectra = [layer_spectra(np.asarray(layer_matrices(s))) for s in systems]
+    spectra = [spectra_of(s) for s in systems]
     subs = [reference_subspaces(sp, order=order, seed=seed + i, dtype=systems[0].W_v.dtype)
             for i, sp in enumerate(spectra)]
     return spectra, stack_subspaces(subs)

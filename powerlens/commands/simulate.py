@@ -8,8 +8,7 @@ import numpy as np
 from .. import io
 from ..analysis import plots
 from ..analysis.experiment import NonFiniteStateError, plot_measures, rows_csv, run_system
-from ..analysis.spectra import layer_spectra, spectra_json
-from ..dynamics.params import layer_matrices
+from ..analysis.spectra import spectra_json, spectra_of
 from . import budget
 from .system import build_system, initial_tokens, token_shape
 
@@ -79,7 +78,7 @@ def _fmt(v):
 def cmd_spectrum_weights(args) -> int:
     layers = build_system(args)
     budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
-    spectra = layer_spectra(np.asarray(layer_matrices(layers)))
+    spectra = spectra_of(layers)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "layers": spectra_json(spectra)}
     with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)

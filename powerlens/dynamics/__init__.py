@@ -7,7 +7,7 @@ on; U is the number of unique layers, T the number of steps, m the number of ref
 subspaces. This package imports nothing from the rest of powerlens.
 """
 from .schedule import Schedule
-from .params import Layer, LayerConfig, Layers, constant_term, layer_matrices, make_layers, value_matrix
+from .params import Layer, LayerConfig, Layers, constant_term, layer_factors, layer_matrices, make_layers, value_matrix
 from .layer import RULES, attention_output, faithful_rule, layer_step
 from .attention import ATTENTION_MODES, attention_weights, qkv_weight
 from .subspaces import REFERENCES, Subspaces, null_subspaces, stack_subspaces
@@ -17,7 +17,7 @@ from .run import run, run_batch
 from .simulate import Trajectory, pooled, simulate, simulate_batch
 
 __all__ = [
-    "Schedule", "Layer", "LayerConfig", "Layers", "constant_term", "layer_matrices", "make_layers", "value_matrix",
+    "Schedule", "Layer", "LayerConfig", "Layers", "constant_term", "layer_factors", "layer_matrices", "make_layers", "value_matrix",
     "RULES", "attention_output", "faithful_rule", "layer_step",
     "ATTENTION_MODES", "attention_weights", "qkv_weight",
     "REFERENCES", "Subspaces", "null_subspaces", "stack_subspaces",

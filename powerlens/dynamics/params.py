@@ -257,6 +257,18 @@ def layer_matrices(layers: Layers) -> jax.Array:
     return jnp.einsum("udk,ukc->udc", layers.W_o, value_matrix(layers))
 
 
+def layer_factors(layers: Layers):
+    """F_t = A_t B_t with the inner size r = G*e of the key/value heads: A "float[U d r]" (W_o
+    with the columns of the query heads that share a key/value head summed), B "float[U r d]"
+    (W_v of the G key/value heads). With grouped-query attention r < d (SmolLM2: 192 against
+    576), and the nonzero eigenvalues of F_t are those of the r x r matrix B_t A_t."""
+    cfg = layers.config
+    U, d = layers.W_o.shape[0], layers.W_o.shape[1]
+    G, e = cfg.n_kv_heads, cfg.d_head
+    A = layers.W_o.reshape(U, d, G, cfg.kv_group, e).sum(axis=3).reshape(U, d, G * e)
+    return A, layers.W_v.reshape(U, G * e, d)
+
+
 def constant_term(layers: Layers) -> jax.Array:
     """c = O b_v + b_o "float[U d]": the part of the attention output that does not depend on X."""
     U, d = layers.W_o.shape[0], layers.W_o.shape[1]

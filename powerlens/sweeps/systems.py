@@ -12,7 +12,7 @@ from one of three builders:
   queries/keys of inverse temperature beta. The spectrum is known by construction, so the
   principal subspaces are columns of Q (or S), never an ``eig``;
 * a model (``[model]``): each listed layer iterated as a shared-weight system over the
-  prompts (:func:`model_systems`, host side, ``layer_spectra`` for the subspaces);
+  prompts (:func:`model_systems`, host side, ``spectra_of`` for the subspaces);
 * ``builder = "module:function"``: any host function ``fn(point, seeds, spec) -> Systems``
   for the R replicates of one point (``point`` maps every key to its value; see
   :func:`from_layers` to make one from :class:`~powerlens.dynamics.params.Layers`).
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from ..analysis.spectra import layer_spectra, reference_subspaces, sweep_subspaces
-from ..dynamics.params import LayerConfig, Layers, layer_matrices
+from ..analysis.spectra import reference_subspaces, spectra_of, sweep_subspaces
+from ..dynamics.params import LayerConfig, Layers
 from ..dynamics.schedule import Schedule
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
 from ..dynamics.sweep import stack_systems
@@ -277,7 +277,7 @@ def _pad_columns(mats, k: Optional[int] = None) -> np.ndarray:
 def from_layers(systems: Sequence[Layers], x0, valid=None, *, order: str = "shifted", seed: int = 0,
                 spectra=None, subspaces: Optional[Subspaces] = None, direction=None, top2=None, v1=None,
                 lam=None, x0_exact=None) -> Systems:
-    """A batch of S host-built systems, with their spectral information from ``layer_spectra``
+    """A batch of S host-built systems, with their spectral information from ``spectra_of``
     unless given.
 
     Args:
@@ -344,7 +344,7 @@ def _model_inputs(name: str, prompts: Tuple[str, ...]):
 
 @functools.lru_cache(maxsize=256)
 def _model_spectrum(name: str, layer: int):
-    return layer_spectra(np.asarray(layer_matrices(_model(name).layers.shared(layer, 1))))
+    return spectra_of(_model(name).layers.shared(layer, 1))
 
 
 def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:
