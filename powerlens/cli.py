@@ -188,10 +188,15 @@ def _limit_blas_threads() -> None:
 
     The dense eigen-decompositions run between XLA computations; OpenBLAS worker threads
     that keep spinning after a call then compete with XLA's own threads for the cores
-    (measured here: 8x slower spectra on a busy 2-core machine).
+    (measured here: 8x slower spectra on a busy 2-core machine). SciPy ships its own OpenBLAS,
+    loaded only when scipy.linalg is first imported, after this runs: the environment
+    variable reaches it (and the worker processes), ``threadpool_limits`` the libraries
+    already loaded. (With the limit on NumPy's OpenBLAS only, SciPy's kept two spinning
+    threads: ``reproduce --quick`` used 178 s of CPU in 100 s, against 158 s in 89 s.)
     """
     if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
         return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=1, user_api="blas")

@@ -142,3 +142,29 @@ def test_bad_jobs_is_a_clear_error(jobs):
     from powerlens.reproduce.workers import check_jobs
     with pytest.raises(ValueError, match="--jobs must be a positive integer"):
         check_jobs(jobs)
+
+
+def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
+    """reproduce runs its own XLA on one thread (set before the backend starts; the user's
+    XLA_FLAGS thread choice wins), and the workers start from the user's flags, not from that
+    one thread: fewer workers than cores keep XLA's threads, workers that fill them get one."""
+    from powerlens.reproduce import workers
+    from powerlens.sweeps.distributed import SINGLE_THREAD_XLA
+    monkeypatch.setattr(workers, "_USER_XLA_FLAGS", [])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+    assert workers.single_threaded_main() and workers._USER_XLA_FLAGS == []      # the user's choice
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    from jax._src import xla_bridge
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    assert workers.single_threaded_main()
+    import os
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA
+    monkeypatch.setattr(workers, "cores", lambda: 8)
+    assert workers.worker_env(3)["XLA_FLAGS"] == "--xla_dump_hlo_as_text"
+    monkeypatch.setattr(workers, "cores", lambda: 2)
+    env = workers.worker_env(3)
+    assert env["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA and env["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(workers, "_USER_XLA_FLAGS", [])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert not workers.single_threaded_main()                  # too late: reproduce prints a note

@@ -325,6 +325,27 @@ def tiny_decoder():
     return model, P
 
 
+def test_effects_of_several_changes_equal_the_separate_calls(tiny_decoder):
+    """A mapping of changes runs "before" once; each change's effects are those of its own call
+    (the numbers agree to float32 rounding: the batch is the same, prompts and neutral together)."""
+    model, P = tiny_decoder
+    u = as_direction(P["word"][7])
+    prompts, neutral = [[1, 4, 2, 9, 3], [5, 6, 10]], [[3, 1, 4, 1, 5, 9, 2, 6]]
+    deltas = {"a": rank1(model.layers, u, alpha=3.0, w="value").delta_O,
+              "b": rank1(model.layers, u, alpha=0.5, w="value").delta_O}
+    both = output_effects(model, u, deltas, prompts, target_id=7, k=3, neutral=neutral)
+    assert set(both) == {"a", "b"}
+    assert both["a"]["conditions"]["before"] == both["b"]["conditions"]["before"]
+    for name, delta in deltas.items():
+        one = output_effects(model, u, delta, prompts, target_id=7, k=3, neutral=neutral)
+        assert one["beta"] == pytest.approx(both[name]["beta"], rel=1e-6)
+        for cond in ("before", "rank1", "activation_addition"):
+            x, y = one["conditions"][cond], both[name]["conditions"][cond]
+            assert x["perplexity"] == pytest.approx(y["perplexity"], rel=1e-6)
+            np.testing.assert_allclose(x["target_prob"], y["target_prob"], rtol=1e-6)
+    assert both["a"]["beta"] > both["b"]["beta"]          # the larger change moves the layer output more
+
+
 def test_effects_match_numpy_reference(tiny_decoder):
     model, P = tiny_decoder
     u = as_direction(P["word"][7])                 # unembedding direction of token 7 (tied)

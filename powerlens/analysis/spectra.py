@@ -221,19 +221,26 @@ def _eig_factored(A: np.ndarray, B: np.ndarray):
     return np.concatenate([w, np.zeros(d - r, complex)]), vectors
 
 
-def _layer(i: int, f: np.ndarray, group_rtol: float, factors=None) -> LayerSpectrum:
+def eigen_decomposition(f: np.ndarray, factors=None):
+    """(w "complex[d]", vectors): the eigenvalues of F "[d d]" and ``vectors(cols)``, their
+    eigenvectors "[d len(cols)]" (see :func:`_ordered`). With ``factors`` (A "[d r]",
+    B "[r d]", F = A B, r < d) and a non-symmetric F, through :func:`_eig_factored`; else one
+    full :func:`_eig`. A non-finite eigenvector of the full eig makes every w NaN."""
     eig = None
-    if factors is not None and not _symmetric(f):
+    if factors is not None and factors[0].shape[-1] < f.shape[0] and not _symmetric(f):
         with np.errstate(all="ignore"):
-            eig = _eig_factored(*factors)
-    if eig is None:
-        w, V = _eig(f)
-        vectors = lambda cols: V[:, cols]
-        finite = np.all(np.isfinite(V))
-    else:
-        w, vectors = eig
-        finite = True
-    if not np.all(np.isfinite(w)) or not finite:
+            eig = _eig_factored(*(np.asarray(m, np.float64) for m in factors))
+    if eig is not None:
+        return eig
+    w, V = _eig(f)
+    if not np.all(np.isfinite(V)):
+        w = np.full_like(w, np.nan)            # the caller reports a non-finite decomposition
+    return w, lambda cols: V[:, cols]
+
+
+def _layer(i: int, f: np.ndarray, group_rtol: float, factors=None) -> LayerSpectrum:
+    w, vectors = eigen_decomposition(f, factors)
+    if not np.all(np.isfinite(w)):
         raise ValueError(f"F of layer {i} has non-finite eigenvalues or eigenvectors (max |F| = "
                          f"{np.max(np.abs(f)):.3g}: are the weights too large?)")
     return LayerSpectrum(layer=i, shifted=_ordered(f, w, vectors, "shifted", group_rtol),

@@ -260,13 +260,14 @@ def layer_matrices(layers: Layers) -> jax.Array:
 def layer_factors(layers: Layers):
     """F_t = A_t B_t with the inner size r = G*e of the key/value heads: A "float[U d r]" (W_o
     with the columns of the query heads that share a key/value head summed), B "float[U r d]"
-    (W_v of the G key/value heads). With grouped-query attention r < d (SmolLM2: 192 against
-    576), and the nonzero eigenvalues of F_t are those of the r x r matrix B_t A_t."""
+    (W_v of the G key/value heads); "float[d r]" and "float[r d]" for one :class:`Layer`.
+    With grouped-query attention r < d (SmolLM2: 192 against 576), and the nonzero
+    eigenvalues of F_t are those of the r x r matrix B_t A_t."""
     cfg = layers.config
-    U, d = layers.W_o.shape[0], layers.W_o.shape[1]
     G, e = cfg.n_kv_heads, cfg.d_head
-    A = layers.W_o.reshape(U, d, G, cfg.kv_group, e).sum(axis=3).reshape(U, d, G * e)
-    return A, layers.W_v.reshape(U, G * e, d)
+    lead = layers.W_o.shape[:-1]                                       # (U, d) or (d,)
+    A = layers.W_o.reshape(lead + (G, cfg.kv_group, e)).sum(axis=-2).reshape(lead + (G * e,))
+    return A, layers.W_v.reshape(layers.W_v.shape[:-3] + (G * e, layers.W_v.shape[-1]))
 
 
 def constant_term(layers: Layers) -> jax.Array:

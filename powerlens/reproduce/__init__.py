@@ -120,8 +120,11 @@ def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
 def cmd_reproduce(args) -> int:
     settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or []),
                 "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
-    from .workers import check_jobs
+    from .workers import check_jobs, single_threaded_main
     args.jobs = check_jobs(getattr(args, "jobs", None))
+    if not single_threaded_main():
+        print("powerlens reproduce: note: JAX had already started in this process, so XLA keeps its threads; "
+              "sections 1-4 may differ in the last bits from a run started afresh", file=sys.stderr)
     out = io.check_out_path(args.out)
     with io.folder_lock(out):
         prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))

@@ -15,7 +15,6 @@ from typing import Dict, List
 import jax
 import numpy as np
 
-from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
 from ..analysis.experiment import StepMeasures, plot_measures
 from .section import SectionResult, Table, verdict_from
@@ -261,6 +260,7 @@ def shared_real_chunks(ctx, name: str):
 
 
 def section_shared_real(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     found, _ = available_models(ctx)
     T = _shared_steps(ctx)
     rows = []
@@ -332,6 +332,7 @@ def ffn_chunks(ctx, name: str):
 
 
 def section_ffn(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     found, _ = available_models(ctx)
     rows, figs = [], []
     for name in ctx.progress([m for m in found if m in DEFAULT_MODELS], "8 what the FFN changes"):

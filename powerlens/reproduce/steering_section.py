@@ -15,7 +15,6 @@ import functools
 
 import numpy as np
 
-from ..analysis import plots
 from .real_models import DEFAULT_MODELS, _load, _prompts, available_models
 from .section import SectionResult, Table, verdict_from
 
@@ -42,9 +41,9 @@ def _compute(name: str, ctx) -> dict:
     opt = optimize_steering(layers, x0, u, valid=valid, target=TARGET, reduce="min", param="lowrank", rank=1,
                             w="value", steps=150 if ctx.quick else 300, seed=ctx.seed, signed=False)
     neutral = NEUTRAL if model.info.decoder else None
-    eff_closed = output_effects(model, u, r1.delta_O, texts, target_id=direction.token_id, neutral=neutral)
-    eff_grad = output_effects(model, u, np.asarray(opt.delta_O[0]), texts, target_id=direction.token_id,
-                              neutral=neutral)
+    effects = output_effects(model, u, {"closed": r1.delta_O, "gradient": np.asarray(opt.delta_O[0])}, texts,
+                             target_id=direction.token_id, neutral=neutral)
+    eff_closed, eff_grad = effects["closed"], effects["gradient"]
     sweep = alpha * np.logspace(-2, 0.5, 8)
     curve = []
     for a in sweep:
@@ -70,6 +69,7 @@ def steering_chunks(ctx, name: str):
 
 
 def section_steering(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     found, _ = available_models(ctx)
     names = [n for n in DEFAULT_MODELS if n in found]
     rows = []

@@ -20,7 +20,6 @@ import os
 
 import numpy as np
 
-from ..analysis import plots
 from ..dynamics.params import layer_matrices
 from ..dynamics.synthetic import bipartite_tokens, cone_tokens, spectrum_matrix, synthetic_system
 from ..sweeps.columns import fit_rates
@@ -142,6 +141,7 @@ close_eigenvalue_systems.keys = {"gap": 0.1}
 # --------------------------------------------------------------------------- section 1
 
 def section_dominant_real(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     grid = {"grid": {"chunk": [0, 1]}} if ctx.quick else {}
     spec, df = run_section(ctx, "dominant_real", "1 dominant real", **grid)
     d = spec.system["d"]
@@ -190,6 +190,7 @@ def section_dominant_real(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 2
 
 def section_complex_pair(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     grid = {"grid": {"kind": ["normal", "nonnormal"], "chunk": [0]}} if ctx.quick else {}
     _, df = run_section(ctx, "complex_pair", "2 complex pair", **grid)
     rows = [{"kind": r.kind, "lambda1": [r.lambda1_re, r.lambda1_im], "pred_rotation": r.rotation_pred,
@@ -233,6 +234,7 @@ def section_complex_pair(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 3
 
 def section_close_eigenvalues(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     grid = {"grid": {"gap": [0.2, 0.1, 0.05]}} if ctx.quick else {}
     _, df = run_section(ctx, "close_eigenvalues", "3 close eigenvalues", **grid)
     gaps = list(dict.fromkeys(df["gap"].tolist()))
@@ -269,6 +271,7 @@ def section_close_eigenvalues(ctx) -> SectionResult:
 # --------------------------------------------------------------------------- section 4
 
 def section_bipartite(ctx) -> SectionResult:
+    from ..analysis import plots        # the main process only: workers never load matplotlib
     _, df = run_section(ctx, "bipartite", "4 bipartite", **({"system": {"replicates": 16}} if ctx.quick else {}))
     heads_list = sorted(set(df["heads"].tolist()))
     betas = sorted(set(df["beta"].tolist()))

@@ -29,13 +29,46 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 def worker_env(n: int) -> dict:
     """The workers' environment: :func:`powerlens.sweeps.distributed.worker_env` (single-threaded
-    XLA when the workers fill the cores), and single-threaded BLAS then too."""
+    XLA when the workers fill the cores), and single-threaded BLAS then too. It starts from the
+    user's XLA_FLAGS, not from the one thread :func:`single_threaded_main` gave this process."""
     from ..sweeps.distributed import worker_env as xla_env
-    env = xla_env(n, cores())
-    if env.get("XLA_FLAGS") != os.environ.get("XLA_FLAGS"):
+    base = dict(os.environ)
+    if _USER_XLA_FLAGS:
+        user = _USER_XLA_FLAGS[0]
+        if user is None:
+            base.pop("XLA_FLAGS", None)
+        else:
+            base["XLA_FLAGS"] = user
+    env = xla_env(n, cores(), base)
+    if env.get("XLA_FLAGS") != base.get("XLA_FLAGS"):
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+_USER_XLA_FLAGS: List[Optional[str]] = []      # XLA_FLAGS before single_threaded_main changed them
+
+
+def single_threaded_main() -> bool:
+    """Run this process's XLA on one thread (``XLA_FLAGS`` += ``SINGLE_THREAD_XLA``) before its
+    CPU backend starts. True when that took effect (or the user's XLA_FLAGS already choose the
+    threads, which then win); False when a backend had already started.
+
+    Two reasons. The numbers of sections 1-4 depend, in the last bits, on XLA's thread count
+    (the model sections do not), so one thread everywhere makes results.json the same bytes
+    whatever ``--jobs`` and whatever the machine's cores. And while the workers keep the cores
+    busy, a multi-threaded XLA here only spins for them: on 2 cores ``--quick`` took 121 s
+    with the main process on two threads, and 89 s on one (user time 216 s against 158 s)."""
+    from ..sweeps.distributed import SINGLE_THREAD_XLA, chooses_threads
+    flags = os.environ.get("XLA_FLAGS")
+    if _USER_XLA_FLAGS or chooses_threads(flags or ""):
+        return True
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        return False
+    _USER_XLA_FLAGS.append(flags)
+    os.environ["XLA_FLAGS"] = ((flags or "") + " " + SINGLE_THREAD_XLA).strip()
+    return True
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ from ..dynamics.layer import attention_output
 from ..dynamics.params import Layers
 from ..dynamics.run import run_batch
 from .directions import as_direction
-from .rank1 import choose_w, host_matrices, layer_index
+from .rank1 import choose_w, host_factors, host_matrices, layer_index
 
 
 def check_target(c, name: str = "target alignment") -> float:
@@ -130,12 +130,52 @@ def _principal_ok_top(F, u, z, alpha: float, cos_tol, gap_rtol):
     return np.array([ok]), np.array([lam]), np.array([cos_all[0]])
 
 
+def _factored_predicate(A, B, u, z, cos_tol, gap_rtol):
+    """P(alpha) (same return as :func:`_principal_ok`) through the r x r matrices of F = A B
+    (A "[d r]", B "[r d]", r < d; grouped-query attention), or None when z is not in the row
+    space of B (then F' has no such factors).
+
+    With z = B^T w~, F'(alpha) = (A + alpha u w~^T) B, so its nonzero eigenvalues are those of
+    M(alpha) = B A + alpha (B u) w~^T with eigenvectors (A + alpha u w~^T) y
+    (:func:`powerlens.analysis.spectra._eig_factored`), and its d - r others are 0 (|1 + 0| = 1)
+    with eigenspace null(B). In that eigenspace the eigenvector closest to u is u's projection,
+    at |cos| = ||P_null(B) u||, the value ``closest`` is judged against for it."""
+    d, r = A.shape
+    wt, *_ = np.linalg.lstsq(B.T, z, rcond=None)
+    if np.linalg.norm(B.T @ wt - z) > 1e-9 * max(np.linalg.norm(z), 1e-300):
+        return None
+    Q, _ = np.linalg.qr(B.T)                                          # (d, r): the row space of B
+    null_cos = float(np.sqrt(max(1.0 - np.linalg.norm(Q.T @ u) ** 2, 0.0))) if d > r else 0.0
+    BA, Bu = B @ A, B @ u
+
+    def predicate(alphas):
+        a = np.atleast_1d(np.asarray(alphas, np.float64))
+        ev, Y = np.linalg.eig(BA[None] + a[:, None, None] * np.outer(Bu, wt)[None])    # (G, r), (G, r, r)
+        X = A @ Y + a[:, None, None] * u[None, :, None] * (wt @ Y)[:, None, :]          # (G, d, r)
+        key = np.abs(1.0 + ev)
+        order = np.argsort(-key, axis=1)
+        g = np.arange(len(a))
+        i1 = order[:, 0]
+        k2 = key[g, order[:, 1]] if r > 1 else np.zeros(len(a))
+        k2 = np.maximum(k2, 1.0) if d > r else k2                      # the zeros' |1 + 0| = 1
+        lam = ev[g, i1]
+        real = np.abs(lam.imag) <= 1e-12 * (1.0 + np.abs(lam))
+        cos_all = np.abs(np.einsum("gdk,d->gk", X, u)) / np.maximum(np.linalg.norm(X, axis=1), 1e-300)
+        cos = cos_all[g, i1]
+        closest = cos >= np.maximum(cos_all.max(axis=1), null_cos) * (1.0 - 1e-12)
+        dominant = key[g, i1] > (1.0 + gap_rtol) * k2
+        return real & dominant & closest & (cos >= cos_tol), lam, cos
+
+    return predicate
+
+
 def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
                     cos_tol: float = 0.95, gap_rtol: float = 1e-9, rtol: float = 1e-7,
                     grid: int = 28) -> PrincipalAlpha:
     """(a): the smallest alpha making u's direction principal in the shifted ordering.
 
-    For d >= 64 the grid and the bisection use the top eigenpairs only
+    When F = A B with r < d (grouped-query attention, :func:`_factored_predicate`) every step is
+    an exact r x r eig. Otherwise, for d >= 64, the grid and the bisection use the top eigenpairs only
     (:func:`_principal_ok_top`, seconds less per step on a 640-wide layer), and the result is
     checked on the full spectrum: P must hold at the returned alpha with every eigenvector
     considered, and fail at the bisection's lower end; otherwise the whole search is redone
@@ -145,6 +185,11 @@ def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse",
     cos_tol = check_target(cos_tol, "cos_tol") if cos_tol != 1.0 else 1.0
     _, V, F = host_matrices(layers, l)
     z = V.T @ choose_w(V, u, w, l)
+    A, B = host_factors(layers, l)
+    factored = _factored_predicate(A, B, u, z, cos_tol, gap_rtol) if A.shape[1] < A.shape[0] else None
+    if factored is not None:
+        scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(B @ A)), initial=0.0))
+        return _principal_search(F, u, z, factored, l, cos_tol, rtol, grid, scale)[0]
     full = lambda a: _principal_ok(F, u, z, a, cos_tol, gap_rtol)
     if F.shape[0] >= 64:
         def top(a):
@@ -159,11 +204,12 @@ def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse",
     return _principal_search(F, u, z, full, l, cos_tol, rtol, grid)[0]
 
 
-def _principal_search(F, u, z, predicate, l, cos_tol, rtol, grid):
+def _principal_search(F, u, z, predicate, l, cos_tol, rtol, grid, scale=None):
     """The grid-then-bisection search of :func:`principal_alpha` with ``predicate``
-    (alphas "float[G]" -> (ok, lambda_1, |cos|)); returns (result, the bisection's lower end
-    or None when it started at 0)."""
-    scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(F))))
+    (alphas "float[G]" -> (ok, lambda_1, |cos|)) over ``scale`` x [1e-4, 1e5] (default scale
+    1 + max |lambda(F)|); returns (result, the bisection's lower end or None when it started at 0)."""
+    if scale is None:
+        scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(F))))
     alphas = scale * np.logspace(-4, 5, grid)  # one batched eig; then ~log2(ratio/rtol) single eigs
     ok, _, _ = predicate(alphas)
     if not ok[-1]:

@@ -34,7 +34,7 @@ Measures (per condition):
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -139,27 +139,38 @@ def next_token_stats(model, h, valid, *, target_id: Optional[int] = None, k: int
     return out
 
 
+@jax.jit
+def _next_token_logp(logits, ids):
+    """log p(id_{t+1} | ids_{<= t}) "float[B n-1]" from logits "float[B n V]" (float32 log-softmax;
+    only the (B, n-1) numbers leave the device, never the (B, n, V) probabilities)."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+
+
 def perplexity(model, ids, valid, h) -> float:
     """exp(mean over valid pairs (t, t+1) of -log p(id_{t+1} | ids_{<= t})) from final states h."""
     from ..models.forward import logits as model_logits
     ids = np.asarray(ids)
     v = np.asarray(valid, bool)
-    logp = _log_softmax(model_logits(model, jnp.asarray(h)))                 # (B, n, V)
-    nxt = np.take_along_axis(logp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
     pair = v[:, 1:] & v[:, :-1]
     if not pair.any():
         raise ValueError("perplexity needs sentences of at least two tokens")
+    nxt = np.asarray(_next_token_logp(model_logits(model, jnp.asarray(h)), jnp.asarray(ids, jnp.int32)), np.float64)
     return float(np.exp(-nxt[pair].mean()))
 
 
-def _ids(model, texts):
-    from ..models.embed import pad_ids, tokenize
+def _id_lists(model, texts) -> list:
+    """Token id lists of texts (tokenized) or of id sequences (as they are)."""
+    from ..models.embed import tokenize
     if isinstance(texts, str) or (len(texts) and isinstance(texts[0], str)):
-        ids = tokenize(model, texts)
-    else:
-        ids = [list(np.asarray(r).reshape(-1)) for r in texts]
+        return [list(r) for r in tokenize(model, texts)]
+    return [list(np.asarray(r).reshape(-1)) for r in texts]
+
+
+def _ids(model, texts):
+    from ..models.embed import pad_ids
     pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
-    return pad_ids(ids, pad)
+    return pad_ids(texts, pad)
 
 
 def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Optional[int] = None,
@@ -169,42 +180,55 @@ def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Op
     Args:
       model: a loaded :class:`~powerlens.models.base.Model`.
       u: steering direction (d,) (normalised here).
-      delta_O: the rank-1 (or low-rank) change of W_o[layer], (d, H e).
+      delta_O: the rank-1 (or low-rank) change of W_o[layer], (d, H e); or a mapping
+        name -> change, to compare several changes: the result is then name -> effects, and
+        the unmodified model ("before") is run once for all of them.
       prompts: texts or token-id lists.
       target_id: decoders: the token whose probability is reported.
-      neutral: decoders: sentences (texts or ids) for the perplexity cost.
-    Returns a JSON-ready dict.
+      neutral: decoders: sentences (texts or ids) for the perplexity cost. They are run in the
+        same batch as the prompts (right-padded together: causal attention and the padding
+        mask keep every valid token as it is alone).
+    Returns a JSON-ready dict (one per change for a mapping).
     """
     from ..models.embed import embed_ids
     d = model.layers.config.d_model
     u = as_direction(u, d)
-    ids, valid = _ids(model, prompts)
-    x0, vj = embed_ids(model, ids, valid)
-    steered = steered_model(model, delta_O, layer)
-    h0, Y0 = forward_final(model, x0, vj, layer=layer)
-    h1, Y1 = forward_final(steered, x0, vj, layer=layer)
-    v = np.asarray(valid, bool)
-    change = np.linalg.norm(np.asarray(Y1, np.float64) - np.asarray(Y0, np.float64), axis=-1)
-    beta = float(change[v].mean())
-    h2, _ = forward_final(model, x0, vj, layer=layer, add=beta * u)
+    deltas = dict(delta_O) if isinstance(delta_O, Mapping) else {None: delta_O}
     decoder = bool(model.info is not None and model.info.decoder)
-    conds = {"before": (model, h0), "rank1": (steered, h1), "activation_addition": (model, h2)}
-    out = {"layer": layer_index(model.layers, layer), "step": last_step(model.layers, layer),
-           "layer_output_change": beta, "beta": beta, "delta_norm": float(np.linalg.norm(np.asarray(delta_O))),
-           "decoder": decoder, "conditions": {},
-           "paper_rule_alignment": {"before": paper_alignment(model.layers, x0, vj, u),
-                                    "rank1": paper_alignment(steered.layers, x0, vj, u)}}
+    rows = _id_lists(model, prompts)
+    B = len(rows)
     if decoder and neutral is not None:
-        nids, nvalid = _ids(model, neutral)
-        nx0, nvj = embed_ids(model, nids, nvalid)
-        nh = {"before": forward_final(model, nx0, nvj, layer=layer)[0],
-              "rank1": forward_final(steered, nx0, nvj, layer=layer)[0],
-              "activation_addition": forward_final(model, nx0, nvj, layer=layer, add=beta * u)[0]}
-    for name, (m, h) in conds.items():
-        res = _cos_stats(h, v, u)
-        if decoder:
-            res.update(next_token_stats(m, h, v, target_id=target_id, k=k))
-            if neutral is not None:
-                res["perplexity"] = perplexity(m, nids, nvalid, nh[name])
-        out["conditions"][name] = res
-    return out
+        rows += _id_lists(model, neutral)
+    ids, valid = _ids(model, rows)
+    x0, vj = embed_ids(model, ids, valid)
+    v = np.asarray(valid, bool)
+    prompt_x0, prompt_v = x0[:B], vj[:B]
+    h0, Y0 = forward_final(model, x0, vj, layer=layer)
+    before = _condition(model, h0, ids, v, B, u, decoder, neutral is not None, target_id, k)
+    before_paper = paper_alignment(model.layers, prompt_x0, prompt_v, u)
+    out = {}
+    for name, delta in deltas.items():
+        steered = steered_model(model, delta, layer)
+        h1, Y1 = forward_final(steered, x0, vj, layer=layer)
+        change = np.linalg.norm(np.asarray(Y1[:B], np.float64) - np.asarray(Y0[:B], np.float64), axis=-1)
+        beta = float(change[v[:B]].mean())
+        h2, _ = forward_final(model, x0, vj, layer=layer, add=beta * u)
+        cond = lambda m, h: _condition(m, h, ids, v, B, u, decoder, neutral is not None, target_id, k)
+        out[name] = {"layer": layer_index(model.layers, layer), "step": last_step(model.layers, layer),
+                     "layer_output_change": beta, "beta": beta, "delta_norm": float(np.linalg.norm(np.asarray(delta))),
+                     "decoder": decoder,
+                     "conditions": {"before": before, "rank1": cond(steered, h1), "activation_addition": cond(model, h2)},
+                     "paper_rule_alignment": {"before": before_paper,
+                                              "rank1": paper_alignment(steered.layers, prompt_x0, prompt_v, u)}}
+    return out if isinstance(delta_O, Mapping) else out[None]
+
+
+def _condition(model, h, ids, valid, B, u, decoder, has_neutral, target_id, k) -> dict:
+    """The measures of one condition: rows :B of the batch are the prompts, the rest the
+    neutral sentences (decoders)."""
+    res = _cos_stats(h[:B], valid[:B], u)
+    if decoder:
+        res.update(next_token_stats(model, h[:B], valid[:B], target_id=target_id, k=k))
+        if has_neutral:
+            res["perplexity"] = perplexity(model, ids[B:], valid[B:], h[B:])
+    return res

@@ -39,8 +39,8 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..analysis.spectra import LayerSpectrum, layer_spectra
-from ..dynamics.params import Layers, value_matrix
+from ..analysis.spectra import LayerSpectrum, eigen_decomposition, layer_spectra
+from ..dynamics.params import Layers, layer_factors, value_matrix
 from ..models.layout import checkpoint_delta
 from .directions import as_direction
 
@@ -74,6 +74,16 @@ def host_matrices(layers: Layers, layer: int):
     W_o = np.asarray(one.W_o, np.float64)
     V = np.asarray(value_matrix(one), np.float64)
     return W_o, V, W_o @ V
+
+
+def host_factors(layers: Layers, layer: int, delta_O: Optional[np.ndarray] = None):
+    """(A "[d r]", B "[r d]") of :func:`~powerlens.dynamics.params.layer_factors` for unique layer
+    ``layer`` in float64, with W_o + delta_O when given: F' = (W_o + delta_O) V_cat = A B."""
+    one = layers.layer(layer_index(layers, layer))
+    W_o = np.asarray(one.W_o, np.float64)
+    if delta_O is not None:
+        W_o = W_o + np.asarray(delta_O, np.float64)
+    return layer_factors(one.replace(W_o=W_o, W_v=np.asarray(one.W_v, np.float64)))
 
 
 def _min_norm_solve(V: np.ndarray, B: np.ndarray, layer: int) -> np.ndarray:
@@ -237,10 +247,11 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
             delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
             predicted_eigenvector=x, branch_eigenvalue=complex(np.nan, np.nan), branch_eigenvector=np.full(d, np.nan),
             spectrum=None)
-    ev, vecs = np.linalg.eig(F_new)
+    factors = host_factors(layers, l, delta)
+    ev, vectors = eigen_decomposition(F_new, factors)
     target = lam if np.isfinite(lam) else ev[np.argmax(np.abs(1 + ev))]
     k = int(np.argmin(np.abs(ev - target)))
-    v = np.real(vecs[:, k])
+    v = np.real(vectors([k])[:, 0])
     nv = np.linalg.norm(v)
     v = v / nv if nv > 0 else v
     v = v * (1.0 if v @ u >= 0 else -1.0)
@@ -248,4 +259,4 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
         layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, z=z, delta_O=delta,
         delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
         predicted_eigenvector=x, branch_eigenvalue=complex(ev[k]), branch_eigenvector=v,
-        spectrum=layer_spectra(F_new[None])[0])
+        spectrum=layer_spectra(F_new[None], factors=(factors[0][None], factors[1][None]))[0])

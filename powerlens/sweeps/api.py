@@ -27,7 +27,6 @@ from typing import Optional
 import jax
 
 from .. import io
-from . import report
 from .engine import SweepResult, barrier, run_sweep
 from .spec import Spec, load_spec
 from .store import ChunkFolder, MemoryStore, check_folder, prepare_folder
@@ -49,6 +48,7 @@ def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Opt
       mode: ``"local"`` (each process runs its own chunks) or ``"global"`` (every chunk is
         sharded over all processes' devices).
     """
+    from . import report               # matplotlib: loaded only when a sweep is run through here
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     report.parse_plot(plot, spec)
     if out is None:
@@ -76,6 +76,7 @@ def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Opt
 def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, report_files=True,
                   started: float = None) -> list:
     """results.parquet, results.csv, sweep.json (and the figures and report.html)."""
+    from . import report
     df = result.table
     buf = _bytes.BytesIO()
     df.to_parquet(buf, index=False, engine="pyarrow")

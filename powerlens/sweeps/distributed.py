@@ -127,18 +127,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_env(n: int, cores: Optional[int] = None) -> dict:
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+"""The XLA_FLAGS that run XLA's CPU backend on one thread."""
+
+
+def chooses_threads(flags: str) -> bool:
+    """Whether XLA_FLAGS ``flags`` already set XLA's CPU threads (the user's choice wins)."""
+    return "multi_thread_eigen" in flags or "intra_op_parallelism_threads" in flags
+
+
+def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None) -> dict:
     """The environment of N local workers on one CPU host: with N >= the cores, each worker's
     XLA runs single-threaded (``--xla_cpu_multi_thread_eigen=false
     intra_op_parallelism_threads=1``), else every worker's thread pool would span all the
     cores and N workers would only share them (measured: 2 workers on 2 cores were no faster
     than one process; single-threaded, 1.77x). Flags the user set in ``XLA_FLAGS`` are kept
-    and win; the numbers do not change (each system's program is the same)."""
-    env = dict(os.environ)
+    and win; the numbers do not change (each system's program is the same). ``base``: the
+    environment to start from (default ``os.environ``)."""
+    env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
     flags = env.get("XLA_FLAGS", "")
-    if n >= cores and "multi_thread_eigen" not in flags and "intra_op_parallelism_threads" not in flags:
-        env["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+    if n >= cores and not chooses_threads(flags):
+        env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
     return env
 
 
