@@ -54,11 +54,10 @@ def single_threaded_main() -> bool:
     CPU backend starts. True when that took effect (or the user's XLA_FLAGS already choose the
     threads, which then win); False when a backend had already started.
 
-    Two reasons. The numbers of sections 1-4 depend, in the last bits, on XLA's thread count
-    (the model sections do not), so one thread everywhere makes results.json the same bytes
-    whatever ``--jobs`` and whatever the machine's cores. And while the workers keep the cores
-    busy, a multi-threaded XLA here only spins for them: on 2 cores ``--quick`` took 121 s
-    with the main process on two threads, and 89 s on one (user time 216 s against 158 s)."""
+    The numbers of sections 1-4 depend, in the last bits, on XLA's thread settings (the model
+    sections do not), so the same setting everywhere makes results.json the same bytes
+    whatever ``--jobs`` and whatever the machine's cores; and while the workers keep the cores
+    busy, threads here would only compete with them."""
     from ..sweeps.distributed import SINGLE_THREAD_XLA, chooses_threads
     flags = os.environ.get("XLA_FLAGS")
     if _USER_XLA_FLAGS or chooses_threads(flags or ""):

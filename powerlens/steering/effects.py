@@ -202,7 +202,8 @@ def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Op
     ids, valid = _ids(model, rows)
     x0, vj = embed_ids(model, ids, valid)
     v = np.asarray(valid, bool)
-    prompt_x0, prompt_v = x0[:B], vj[:B]
+    n_p = max(len(r) for r in rows[:B])                # the prompts' own padding (right-padded)
+    prompt_x0, prompt_v = x0[:B, :n_p], vj[:B, :n_p]
     h0, Y0 = forward_final(model, x0, vj, layer=layer)
     before = _condition(model, h0, ids, v, B, u, decoder, neutral is not None, target_id, k)
     before_paper = paper_alignment(model.layers, prompt_x0, prompt_v, u)
