@@ -167,4 +167,4 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     monkeypatch.setattr(workers, "_USER_XLA_FLAGS", [])
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
-    assert not workers.single_threaded_main()                  # too late: reproduce prints a note
+    assert not workers.single_threaded_main()                  # too late: XLA keeps its threads

@@ -120,11 +120,8 @@ def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
 def cmd_reproduce(args) -> int:
     settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or []),
                 "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
-    from .workers import check_jobs, single_threaded_main
+    from .workers import check_jobs
     args.jobs = check_jobs(getattr(args, "jobs", None))
-    if not single_threaded_main():
-        print("powerlens reproduce: note: JAX had already started in this process, so XLA keeps its threads; "
-              "sections 1-4 may differ in the last bits from a run started afresh", file=sys.stderr)
     out = io.check_out_path(args.out)
     with io.folder_lock(out):
         prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))
@@ -133,7 +130,8 @@ def cmd_reproduce(args) -> int:
 
 def _reproduce_into(out: str, settings: dict, args) -> int:
     from .report import render_html, render_markdown
-    from .workers import model_workers
+    from .workers import model_workers, single_threaded_main
+    single_threaded_main()        # False where JAX had started already (a Python session): XLA keeps its threads
     store = ChunkStore(out, settings)
     ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
     sections = all_sections()

@@ -7,11 +7,12 @@ installed before it ever imports it:
 * a ``sys.meta_path`` finder raises ModuleNotFoundError on any import of them.
 
 ``sys.modules["torch"] = None`` is deliberately not used: scipy reads that entry as "torch
-is loaded" and breaks. At exit the process writes ``NO-TORCH-CHECK: <modules>`` to stderr,
-listing every ``torch`` module that got imported anyway (none, if the hook held).
+is loaded" and breaks. At exit the process (and every forked worker) writes ``NO-TORCH-CHECK: <modules>`` to
+stderr, listing every ``torch`` module that got imported anyway (none, if the hook held).
 """
 import atexit
 import importlib.util
+import multiprocessing.util
 import sys
 
 _find_spec = importlib.util.find_spec
@@ -42,3 +43,20 @@ sys.meta_path.insert(0, _NoTorch())
 def _report():
     loaded = sorted(m for m in sys.modules if _blocked(m))
     sys.stderr.write(f"NO-TORCH-CHECK: {','.join(loaded) or 'none'}\n")
+
+
+class _Holder:
+    """What multiprocessing's after-fork registry keeps (weakly) alive."""
+
+
+_HOLDER = _Holder()
+
+
+def _report_in_forked_worker(_):
+    """A forked multiprocessing worker (reproduce's, on Linux) ends with os._exit, which skips
+    atexit; multiprocessing runs its finalizers first (it clears them, then calls its
+    after-fork hooks, so the report is registered from one)."""
+    multiprocessing.util.Finalize(None, _report, exitpriority=-1000)
+
+
+multiprocessing.util.register_after_fork(_HOLDER, _report_in_forked_worker)
