@@ -173,13 +173,13 @@ def _symmetric(f: np.ndarray) -> bool:
         return bool(np.max(np.abs(0.5 * f - 0.5 * f.T)) <= 0.5 * SYMMETRY_RTOL * np.max(np.abs(f)))
 
 
-def _eig(f: np.ndarray):
+def _eig(f: np.ndarray, symmetric: bool):
     """Eigenvalues "complex[d]" and eigenvectors "[d d]" of F. A numerically symmetric F (see
-    :data:`SYMMETRY_RTOL`) goes through ``eigh`` of its symmetric part: its spectrum is real,
-    so the many zero eigenvalues of a padded symmetric system never come out as tiny complex
-    pairs, as they do from ``eig``."""
+    :data:`SYMMETRY_RTOL`, :func:`_symmetric`) goes through ``eigh`` of its symmetric part: its
+    spectrum is real, so the many zero eigenvalues of a padded symmetric system never come out
+    as tiny complex pairs, as they do from ``eig``."""
     with np.errstate(all="ignore"):           # an F near the largest float overflows here: reported below
-        if _symmetric(f):
+        if symmetric:
             w, V = np.linalg.eigh(0.5 * f + 0.5 * f.T)
             return w.astype(complex), V
         return np.linalg.eig(f)
@@ -226,13 +226,13 @@ def eigen_decomposition(f: np.ndarray, factors=None):
     eigenvectors "[d len(cols)]" (see :func:`_ordered`). With ``factors`` (A "[d r]",
     B "[r d]", F = A B, r < d) and a non-symmetric F, through :func:`_eig_factored`; else one
     full :func:`_eig`. A non-finite eigenvector of the full eig makes every w NaN."""
-    eig = None
-    if factors is not None and factors[0].shape[-1] < f.shape[0] and not _symmetric(f):
+    symmetric = _symmetric(f)
+    if factors is not None and factors[0].shape[-1] < f.shape[0] and not symmetric:
         with np.errstate(all="ignore"):
             eig = _eig_factored(*(np.asarray(m, np.float64) for m in factors))
-    if eig is not None:
-        return eig
-    w, V = _eig(f)
+        if eig is not None:
+            return eig
+    w, V = _eig(f, symmetric)
     if not np.all(np.isfinite(V)):
         w = np.full_like(w, np.nan)            # the caller reports a non-finite decomposition
     return w, lambda cols: V[:, cols]
@@ -266,7 +266,7 @@ def layer_spectra(F, *, group_rtol: float = 1e-4, factors=None) -> List[LayerSpe
         if A.shape != F.shape[:2] + (r,) or B.shape != (F.shape[0], r, F.shape[2]):
             raise ValueError(f"factors of F {F.shape} must have shapes (L, d, r) and (L, r, d), got "
                              f"{A.shape} and {B.shape}")
-        factors = list(zip(A, B)) if r < F.shape[1] else None
+        factors = list(zip(A, B))
     if not np.all(np.isfinite(F)):
         bad = sorted({int(i) for i in np.argwhere(~np.isfinite(F))[:, 0]})
         raise ValueError(f"F contains non-finite values at layer(s) {bad[:8]}: F = W_o V_cat overflowed "

@@ -124,12 +124,20 @@ def _embed_arrays(E: dict, ids: "int[B n]", pos: "int[B n] | None", scale: "floa
     return x
 
 
+def prompt_ids(model: Model, texts_or_ids) -> List[List[int]]:
+    """Token id lists of texts (tokenized) or of token ids (as they are; an array is one prompt per row)."""
+    if isinstance(texts_or_ids, str) or (len(texts_or_ids) and isinstance(texts_or_ids[0], str)):
+        return [list(r) for r in tokenize(model, texts_or_ids)]
+    rows = np.atleast_2d(texts_or_ids) if isinstance(texts_or_ids, np.ndarray) else texts_or_ids
+    return [list(np.asarray(r).reshape(-1)) for r in rows]
+
+
+def padded_ids(model: Model, ids: Sequence[Sequence[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """:func:`pad_ids` with the model's own pad token (0 when it has none)."""
+    pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
+    return pad_ids(ids, pad)
+
+
 def embed(model: Model, texts_or_ids: Union[str, Sequence[str], Sequence[Sequence[int]], np.ndarray]):
     """x0 (B, n, d) and the padding mask ``valid`` (B, n) for texts or token ids."""
-    if isinstance(texts_or_ids, str) or (len(texts_or_ids) and isinstance(texts_or_ids[0], str)):
-        ids = tokenize(model, texts_or_ids)
-    else:
-        ids = [list(np.asarray(r).reshape(-1)) for r in (np.atleast_2d(texts_or_ids) if isinstance(texts_or_ids, np.ndarray) else texts_or_ids)]
-    pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
-    arr, valid = pad_ids(ids, pad)
-    return embed_ids(model, arr, valid)
+    return embed_ids(model, *padded_ids(model, prompt_ids(model, texts_or_ids)))

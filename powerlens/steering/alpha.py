@@ -87,21 +87,29 @@ class PrincipalAlpha:
                 "cos": self.cos, "cos_tol": self.cos_tol}
 
 
-def _principal_ok(F, u, z, alphas, cos_tol, gap_rtol):
-    """P(alpha) for a batch of alphas: (ok (G,), top eigenvalue (G,), |cos| (G,))."""
-    Fs = F[None] + np.asarray(alphas)[:, None, None] * np.outer(u, z)[None]
-    ev, vecs = np.linalg.eig(Fs)
+def _judge(ev, vecs, u, cos_tol, gap_rtol, *, other_key: float = 0.0, other_cos: float = 0.0):
+    """P(alpha) from eigenpairs of F'(alpha) for a batch of alphas: eigenvalues ev "complex[G k]",
+    eigenvectors vecs "[G d k]"; ``other_key`` and ``other_cos``: the key |1 + lambda| of
+    eigenvalues left out of ev and the largest |cos| with u in their eigenspace (0: none).
+    Returns (ok (G,), top eigenvalue (G,), |cos| (G,))."""
     key = np.abs(1.0 + ev)
     order = np.argsort(-key, axis=1)
-    i1, i2 = order[:, 0], order[:, 1]
-    g = np.arange(len(alphas))
+    g = np.arange(ev.shape[0])
+    i1 = order[:, 0]
+    k2 = key[g, order[:, 1]] if ev.shape[1] > 1 else np.zeros(ev.shape[0])
     lam = ev[g, i1]
     real = np.abs(lam.imag) <= 1e-12 * (1.0 + np.abs(lam))
     cos_all = np.abs(np.einsum("gdk,d->gk", vecs, u)) / np.maximum(np.linalg.norm(vecs, axis=1), 1e-300)
     cos = cos_all[g, i1]
-    closest = cos >= cos_all.max(axis=1) * (1.0 - 1e-12)
-    dominant = key[g, i1] > (1.0 + gap_rtol) * key[g, i2]
+    closest = cos >= np.maximum(cos_all.max(axis=1), other_cos) * (1.0 - 1e-12)
+    dominant = key[g, i1] > (1.0 + gap_rtol) * np.maximum(k2, other_key)
     return real & dominant & closest & (cos >= cos_tol), lam, cos
+
+
+def _principal_ok(F, u, z, alphas, cos_tol, gap_rtol):
+    """P(alpha) for a batch of alphas: (ok (G,), top eigenvalue (G,), |cos| (G,))."""
+    Fs = F[None] + np.asarray(alphas)[:, None, None] * np.outer(u, z)[None]
+    return _judge(*np.linalg.eig(Fs), u, cos_tol, gap_rtol)
 
 
 TOP_K = 6          # eigenpairs of largest |1 + lambda| that the fast predicate computes
@@ -152,19 +160,7 @@ def _factored_predicate(A, B, u, z, cos_tol, gap_rtol):
         a = np.atleast_1d(np.asarray(alphas, np.float64))
         ev, Y = np.linalg.eig(BA[None] + a[:, None, None] * np.outer(Bu, wt)[None])    # (G, r), (G, r, r)
         X = A @ Y + a[:, None, None] * u[None, :, None] * (wt @ Y)[:, None, :]          # (G, d, r)
-        key = np.abs(1.0 + ev)
-        order = np.argsort(-key, axis=1)
-        g = np.arange(len(a))
-        i1 = order[:, 0]
-        k2 = key[g, order[:, 1]] if r > 1 else np.zeros(len(a))
-        k2 = np.maximum(k2, 1.0) if d > r else k2                      # the zeros' |1 + 0| = 1
-        lam = ev[g, i1]
-        real = np.abs(lam.imag) <= 1e-12 * (1.0 + np.abs(lam))
-        cos_all = np.abs(np.einsum("gdk,d->gk", X, u)) / np.maximum(np.linalg.norm(X, axis=1), 1e-300)
-        cos = cos_all[g, i1]
-        closest = cos >= np.maximum(cos_all.max(axis=1), null_cos) * (1.0 - 1e-12)
-        dominant = key[g, i1] > (1.0 + gap_rtol) * k2
-        return real & dominant & closest & (cos >= cos_tol), lam, cos
+        return _judge(ev, X, u, cos_tol, gap_rtol, other_key=1.0 if d > r else 0.0, other_cos=null_cos)
 
     return predicate
 
@@ -183,9 +179,9 @@ def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse",
     l = layer_index(layers, layer)
     u = as_direction(u, layers.config.d_model)
     cos_tol = check_target(cos_tol, "cos_tol") if cos_tol != 1.0 else 1.0
-    _, V, F = host_matrices(layers, l)
+    W_o, V, F = host_matrices(layers, l)
     z = V.T @ choose_w(V, u, w, l)
-    A, B = host_factors(layers, l)
+    A, B = host_factors(layers, l, W_o)
     factored = _factored_predicate(A, B, u, z, cos_tol, gap_rtol) if A.shape[1] < A.shape[0] else None
     if factored is not None:
         scale = 1.0 + float(np.max(np.abs(np.linalg.eigvals(B @ A)), initial=0.0))

@@ -159,20 +159,6 @@ def perplexity(model, ids, valid, h) -> float:
     return float(np.exp(-nxt[pair].mean()))
 
 
-def _id_lists(model, texts) -> list:
-    """Token id lists of texts (tokenized) or of id sequences (as they are)."""
-    from ..models.embed import tokenize
-    if isinstance(texts, str) or (len(texts) and isinstance(texts[0], str)):
-        return [list(r) for r in tokenize(model, texts)]
-    return [list(np.asarray(r).reshape(-1)) for r in texts]
-
-
-def _ids(model, texts):
-    from ..models.embed import pad_ids
-    pad = model.info.pad_token_id if model.info is not None and model.info.pad_token_id is not None else 0
-    return pad_ids(texts, pad)
-
-
 def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Optional[int] = None,
                    k: int = 5, neutral: Optional[Sequence] = None) -> dict:
     """Before / rank-1 / activation-addition effects on the model's outputs (module docstring).
@@ -190,22 +176,24 @@ def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Op
         mask keep every valid token as it is alone).
     Returns a JSON-ready dict (one per change for a mapping).
     """
-    from ..models.embed import embed_ids
+    from ..models.embed import embed_ids, padded_ids, prompt_ids
     d = model.layers.config.d_model
     u = as_direction(u, d)
     deltas = dict(delta_O) if isinstance(delta_O, Mapping) else {None: delta_O}
     decoder = bool(model.info is not None and model.info.decoder)
-    rows = _id_lists(model, prompts)
+    rows = prompt_ids(model, prompts)
     B = len(rows)
-    if decoder and neutral is not None:
-        rows += _id_lists(model, neutral)
-    ids, valid = _ids(model, rows)
+    has_neutral = decoder and neutral is not None
+    if has_neutral:
+        rows += prompt_ids(model, neutral)
+    ids, valid = padded_ids(model, rows)
     x0, vj = embed_ids(model, ids, valid)
     v = np.asarray(valid, bool)
     n_p = max(len(r) for r in rows[:B])                # the prompts' own padding (right-padded)
     prompt_x0, prompt_v = x0[:B, :n_p], vj[:B, :n_p]
+    cond = lambda m, h: _condition(m, h, ids, v, B, u, decoder, has_neutral, target_id, k)
     h0, Y0 = forward_final(model, x0, vj, layer=layer)
-    before = _condition(model, h0, ids, v, B, u, decoder, neutral is not None, target_id, k)
+    before = cond(model, h0)
     before_paper = paper_alignment(model.layers, prompt_x0, prompt_v, u)
     out = {}
     for name, delta in deltas.items():
@@ -214,7 +202,6 @@ def output_effects(model, u, delta_O, prompts, *, layer: int = -1, target_id: Op
         change = np.linalg.norm(np.asarray(Y1[:B], np.float64) - np.asarray(Y0[:B], np.float64), axis=-1)
         beta = float(change[v[:B]].mean())
         h2, _ = forward_final(model, x0, vj, layer=layer, add=beta * u)
-        cond = lambda m, h: _condition(m, h, ids, v, B, u, decoder, neutral is not None, target_id, k)
         out[name] = {"layer": layer_index(model.layers, layer), "step": last_step(model.layers, layer),
                      "layer_output_change": beta, "beta": beta, "delta_norm": float(np.linalg.norm(np.asarray(delta))),
                      "decoder": decoder,

@@ -76,14 +76,12 @@ def host_matrices(layers: Layers, layer: int):
     return W_o, V, W_o @ V
 
 
-def host_factors(layers: Layers, layer: int, delta_O: Optional[np.ndarray] = None):
+def host_factors(layers: Layers, layer: int, W_o: np.ndarray):
     """(A "[d r]", B "[r d]") of :func:`~powerlens.dynamics.params.layer_factors` for unique layer
-    ``layer`` in float64, with W_o + delta_O when given: F' = (W_o + delta_O) V_cat = A B."""
+    ``layer`` in float64, with its output matrix replaced by ``W_o`` "[d H e]" (the layer's
+    own from :func:`host_matrices`, or a steered one): F = W_o V_cat = A B."""
     one = layers.layer(layer_index(layers, layer))
-    W_o = np.asarray(one.W_o, np.float64)
-    if delta_O is not None:
-        W_o = W_o + np.asarray(delta_O, np.float64)
-    return layer_factors(one.replace(W_o=W_o, W_v=np.asarray(one.W_v, np.float64)))
+    return layer_factors(one.replace(W_o=np.asarray(W_o, np.float64), W_v=np.asarray(one.W_v, np.float64)))
 
 
 def _min_norm_solve(V: np.ndarray, B: np.ndarray, layer: int) -> np.ndarray:
@@ -247,7 +245,7 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
             delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
             predicted_eigenvector=x, branch_eigenvalue=complex(np.nan, np.nan), branch_eigenvector=np.full(d, np.nan),
             spectrum=None)
-    factors = host_factors(layers, l, delta)
+    factors = host_factors(layers, l, W_o + delta)
     ev, vectors = eigen_decomposition(F_new, factors)
     target = lam if np.isfinite(lam) else ev[np.argmax(np.abs(1 + ev))]
     k = int(np.argmin(np.abs(ev - target)))
