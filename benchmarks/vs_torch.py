@@ -84,10 +84,12 @@ def matmul_rates(repeat: int):
 # --------------------------------------------------------------------------- torch side
 
 def torch_layers(layers):
-    """The unique layers' arrays as torch tensors, one dict per layer."""
+    """The unique layers' arrays as torch tensors, one dict per layer; the scalar attention
+    scale as a Python float (SDPA takes a float: a tensor's ``.item()`` is a graph break
+    under ``torch.compile``)."""
     names = [k for k in layers.__dataclass_fields__ if k != "config"]
     arrs = {k: np.asarray(getattr(layers, k)) for k in names if getattr(layers, k) is not None}
-    return [{k: torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
+    return [{k: float(v[u]) if k == "scale" else torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
             for u in range(layers.n_unique)]
 
 

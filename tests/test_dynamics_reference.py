@@ -273,3 +273,28 @@ def test_benchmark_baseline_equals_reference():
     assert np.all(np.isfinite(ref["rotation"]))
     for key in ("gamma", "gamma_before", "rho", "rotation", "consensus", "rank_collapse", "pairwise_cos", "final"):
         np.testing.assert_allclose(got[key], ref[key], atol=1e-12, err_msg=key)
+
+
+def test_fused_qkv_cached_per_weights_never_stale(sys_causal):
+    """run_batch passes the fused q/k/v weight built once per (W_q, W_k, W_v) into the compiled
+    program: the same numbers as building it inside, and a layer with a new W_q gets its own."""
+    import importlib
+    from powerlens.dynamics.attention import fused_qkv, qkv_weight
+    from powerlens.dynamics.run import run_batch
+    run_mod = importlib.import_module("powerlens.dynamics.run")
+    layers, _, x0, valid = sys_causal
+    fused = fused_qkv(layers)
+    assert fused is fused_qkv(layers)                                   # built once
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(qkv_weight(layers)))
+    assert fused_qkv(layers.replace(W_q=np.asarray(layers.W_q))) is None   # NumPy: mutable, never cached
+    X0, V = jnp.asarray(x0[None]), jnp.asarray(valid[None])
+    inside = run_mod._run_batch(layers, X0, V, None, None, None, rule="paper", attention="softmax",
+                                keep_bias=None, observe=("final",))["final"]
+    np.testing.assert_array_equal(np.asarray(run_batch(layers, X0, V)["final"]), np.asarray(inside))
+    other = layers.replace(W_q=layers.W_q * 2)
+    assert fused_qkv(other) is not fused
+    np.testing.assert_allclose(np.asarray(fused_qkv(other)[:, :4 * 4]), 2 * np.asarray(fused[:, :4 * 4]))
+    ref = R.simulate_layers(other, x0, reference_subspaces(layer_spectra(layer_matrices(other)), seed=1),
+                            valid=valid, rule="paper", attention="softmax")
+    got = np.asarray(run_batch(other, X0, V)["final"])[0][valid]
+    np.testing.assert_allclose(got, ref["final"][valid], atol=TOL * (1 + np.abs(ref["final"][valid]).max()))

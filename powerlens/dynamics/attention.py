@@ -18,6 +18,8 @@ fused projection (:func:`qkv_weight`), then the masked softmax.
 """
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 
@@ -83,8 +85,39 @@ def masked_softmax(lp, qk, valid):
 def qkv_weight(layers):
     """W_q, W_k, W_v stacked for one fused projection: "float[(H+2G)e d]" for one layer, or
     "float[U (H+2G)e d]" for stacked layers (built once per unique layer by ``run``)."""
+    return _stack_qkv(layers.W_q, layers.W_k, layers.W_v)
+
+
+def _stack_qkv(W_q, W_k, W_v):
     flat = lambda a: a.reshape(a.shape[:-3] + (-1, a.shape[-1]))
-    return jnp.concatenate([flat(a) for a in (layers.W_q, layers.W_k, layers.W_v)], axis=-2)
+    return jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2)
+
+
+_stack_qkv_jit = jax.jit(_stack_qkv)
+_FUSED: "dict[tuple, tuple]" = {}        # ids of (W_q, W_k, W_v) -> (weak refs to them, fused weight)
+
+
+def fused_qkv(layers):
+    """:func:`qkv_weight` of concrete stacked layers, built once per set of W_q, W_k, W_v
+    JAX arrays and kept while they live; None when the layers have no softmax weights, or
+    their weights are traced (inside jit or grad) or NumPy arrays (mutable: never cached).
+
+    The jitted entry points (``run_batch``, ``simulate_batch``) pass it into the compiled
+    program, which otherwise rebuilds it on every call: the concatenation copies every
+    attention weight (SmolLM2: 66 MB, half the time of a 1 x 16 prompt). JAX arrays are
+    immutable, so the identity of the three arrays names their contents."""
+    arrays = (layers.W_q, layers.W_k, layers.W_v)
+    if not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in arrays):
+        return None
+    key = tuple(id(a) for a in arrays)
+    hit = _FUSED.get(key)
+    if hit is not None and all(r() is a for r, a in zip(hit[0], arrays)):
+        return hit[1]
+    fused = _stack_qkv_jit(*arrays)
+    _FUSED[key] = (tuple(weakref.ref(a) for a in arrays), fused)
+    for a in arrays:                                          # dropped with the first weight to go
+        weakref.finalize(a, _FUSED.pop, key, None)
+    return fused
 
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):

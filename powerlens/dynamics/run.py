@@ -9,7 +9,8 @@ and hands (x_t, x_{t+1}) to every observer (:mod:`powerlens.dynamics.observers`)
 for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
 
 Costs paid once, outside the scan: the fused q/k/v weight of every unique layer
-(:func:`~powerlens.dynamics.attention.qkv_weight`), and, for a single unique layer (a
+(:func:`~powerlens.dynamics.attention.qkv_weight`; built once per set of weights, outside
+the compiled program, by the jitted entry points), and, for a single unique layer (a
 shared-weight system), that layer's parameters (no gather per step). A compact static
 schedule (:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one
 step per layer) is scanned by its length alone: no "int[T]" index array is built.
@@ -22,7 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from .attention import check_attention, qkv_weight
+from .attention import check_attention, fused_qkv, qkv_weight
 from .inputs import check_batch
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step
@@ -31,7 +32,8 @@ from .params import Layers
 
 def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str, attention: str,
         observers: Mapping[str, Observer], keep_bias: Optional[bool] = None,
-        positions: "int[n] | None" = None, schedule: "int[T] | None" = None) -> Dict[str, Any]:
+        positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
+        qkv: "float[U (H+2G)e d] | None" = None) -> Dict[str, Any]:
     """Iterate ``layers`` from x0 and return ``{name: result}`` of every observer.
 
     Args:
@@ -44,6 +46,9 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         ``{"final": final(), "gamma": alignment(subspaces)}``.
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
+      qkv: the fused projection weight of every unique layer,
+        :func:`~powerlens.dynamics.attention.qkv_weight` of ``layers`` (built here when None;
+        the jitted entry points pass :func:`~powerlens.dynamics.attention.fused_qkv`'s copy).
 
     Returns:
       A dict with one entry per observer: what its ``finish`` returns.
@@ -62,7 +67,7 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
     qkv_all = None
     if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
-        qkv_all = qkv_weight(layers)                                    # (U, (H + 2G) e, d)
+        qkv_all = qkv_weight(layers) if qkv is None else qkv            # (U, (H + 2G) e, d)
     lp0 = layers.layer(0) if shared else None
     qkv0 = qkv_all[0] if shared and qkv_all is not None else None
     observers = dict(observers)
@@ -86,9 +91,9 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe"))
-def _run_batch(layers, X0, valid, positions, schedule, *, rule, attention, keep_bias, observe):
+def _run_batch(layers, X0, valid, positions, schedule, qkv=None, *, rule, attention, keep_bias, observe):
     one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
-                           positions=positions, schedule=schedule,
+                           positions=positions, schedule=schedule, qkv=qkv,
                            observers={name: READY[name]() for name in observe})
     return jax.vmap(one)(X0, valid)
 
@@ -114,4 +119,4 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
     return _run_batch(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid), positions, schedule,
-                      rule=rule, attention=attention, keep_bias=keep_bias, observe=tuple(observe))
+                      fused_qkv(layers) if attention == "softmax" else None, rule=rule, attention=attention, keep_bias=keep_bias, observe=tuple(observe))

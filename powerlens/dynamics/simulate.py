@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .attention import check_attention
+from .attention import check_attention, fused_qkv
 from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
 from .observers import alignment, consensus, final, finite, states
@@ -65,7 +65,7 @@ class Trajectory:
 def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] | None" = None,
              rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
              save_states: bool = False, schedule: "int[T] | None" = None,
-             positions: "int[n] | None" = None) -> Trajectory:
+             positions: "int[n] | None" = None, qkv=None) -> Trajectory:
     """Iterate ``layers`` over its schedule from x0 and measure. Pure; jit/vmap it.
 
     Args:
@@ -77,6 +77,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
         from every measure).
       rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
       save_states: also return all states "float[T+1 n d]".
+      qkv: the fused q/k/v weight of ``layers``, when precomputed (see :func:`~powerlens.dynamics.run`).
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
@@ -84,7 +85,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     if save_states:
         observers["states"] = states()
     out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
-              positions=positions, schedule=schedule)
+              positions=positions, schedule=schedule, qkv=qkv)
     a, c = out["alignment"], out["consensus"]
     return Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
                       consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
@@ -96,8 +97,8 @@ _STATIC = ("rule", "attention", "keep_bias", "save_states")
 simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
-def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, **kw):
-    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, **kw)
+def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, qkv=None, **kw):
+    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, qkv=qkv, **kw)
     return jax.vmap(f)(X0, valid)
 
 
@@ -120,7 +121,7 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
         schedule = jnp.asarray(schedule, jnp.int32)
     dtype = layers.W_v.dtype
     return simulate_batch_jit(layers, jnp.asarray(X0, dtype), subspaces, jnp.asarray(valid), positions,
-                              schedule, rule=rule, attention=attention, keep_bias=keep_bias,
+                              schedule, fused_qkv(layers) if attention == "softmax" else None, rule=rule, attention=attention, keep_bias=keep_bias,
                               save_states=save_states)
 
 
