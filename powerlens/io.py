@@ -17,6 +17,15 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 
+def cache_dir() -> str:
+    """powerlens's cache folder: ``$POWERLENS_CACHE``, else ``$XDG_CACHE_HOME/powerlens``, else
+    ``~/.cache/powerlens`` (built tokenizers; the CLI's compiled XLA programs)."""
+    if os.environ.get("POWERLENS_CACHE"):
+        return os.environ["POWERLENS_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "powerlens")
+
+
 def to_jsonable(obj: Any) -> Any:
     """NumPy/JAX scalars and arrays to Python; NaN and inf to ``None`` (valid JSON)."""
     if isinstance(obj, dict):

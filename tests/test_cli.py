@@ -227,3 +227,38 @@ def test_npz_save_load_round_trip(tmp_path):
     again = load_weights_npz(str(tmp_path / "b.npz"))
     assert again.config.causal and int(again.window[0]) == 2
     np.testing.assert_array_equal(np.asarray(again.W_o), np.asarray(layers.W_o))
+
+
+_CACHE_PROBE = """
+import os, sys
+from powerlens.cli import _compilation_cache
+folder = _compilation_cache()
+print(folder)
+if folder:
+    import jax, jax.numpy as jnp
+    jax.block_until_ready(jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))))
+    print(len([f for f in os.listdir(folder) if f.endswith("-cache")]))
+"""
+
+
+@pytest.mark.parametrize("setting", ["default", "off", "user"])
+def test_compilation_cache_folder(tmp_path, setting):
+    """The CLI keeps compiled programs under cache_dir()/xla (the entries are written there),
+    not at all with POWERLENS_XLA_CACHE=off, and in the user's own JAX cache folder
+    when one is set."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(POWERLENS_CACHE=str(tmp_path / "pl"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    if setting == "off":
+        env["POWERLENS_XLA_CACHE"] = "off"
+    if setting == "user":
+        env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "mine")
+    out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                         timeout=120).stdout.split()
+    expected = {"default": str(tmp_path / "pl" / "xla"), "off": "None", "user": str(tmp_path / "mine")}[setting]
+    assert out[0] == expected
+    if setting != "off":
+        assert int(out[1]) >= 1                          # the programs it compiled
+    else:
+        assert not (tmp_path / "pl" / "xla").exists()

@@ -35,6 +35,7 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..io import cache_dir
 from .reader import CheckpointError
 
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -238,14 +239,6 @@ CACHE_MIN_TOKENS = 32768
 
 CACHE_VERSION = 1
 """Bumped whenever the construction of a tokenizer changes, so that no stale one is read."""
-
-
-def cache_dir() -> str:
-    """``$POWERLENS_CACHE``, else ``$XDG_CACHE_HOME/powerlens``, else ``~/.cache/powerlens``."""
-    if os.environ.get("POWERLENS_CACHE"):
-        return os.environ["POWERLENS_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "powerlens")
 
 
 def _cache_path(spec: TokenizerSpec) -> Optional[str]:
