@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .measures import consensus_measures, masked_mean, unit_rows, wrap_angle
-from .params import layer_matrices
+from .params import layer_factors
 from .subspaces import Subspaces, reference_index
 
 
@@ -89,7 +89,10 @@ def complex_pair_planes(subspaces: Subspaces, layers, p: int):
     block's scale), so a repeated real eigenvalue, whose discriminant is ~0, is not one.
     """
     B2 = subspaces.basis[:, p, :, :2]                                   # (U, d, 2)
-    T2 = jnp.einsum("udi,ude,uej->uij", B2, layer_matrices(layers), B2)
+    # T2 = (B2^T A)(B B2) through the factors F = A B (params.layer_factors): O(U d r) work;
+    # forming F is O(U d^2 r) (SmolLM2: 11 GFLOP, more than the run of a 1 x 16 prompt)
+    A, B = layer_factors(layers)                                        # (U, d, r), (U, r, d)
+    T2 = jnp.einsum("udi,udr->uir", B2, A) @ jnp.einsum("urd,udj->urj", B, B2)
     disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
     tol = (1e-5 * jnp.max(jnp.abs(T2), axis=(1, 2))) ** 2
     return (subspaces.dim[:, p] == 2) & (disc < -tol)
