@@ -214,15 +214,22 @@ def _compilation_cache() -> Optional[str]:
     ``reproduce --quick`` spends about 60 s of its CPU time in XLA's compiler, a program
     of the measured scan about 2 s of it (0.4-0.7 s from the cache). The entries are keyed
     by JAX on the program, the jax/jaxlib versions and the XLA flags, so results are the
-    bytes the compiler would give. Off with ``POWERLENS_XLA_CACHE=off``; a cache the user
-    chose (``JAX_COMPILATION_CACHE_DIR``) is left as it is. Set through the environment
-    too, so worker processes use the same cache. Returns the folder, or None when off."""
+    bytes the compiler would give. Off with ``POWERLENS_XLA_CACHE=off``, and where the
+    folder cannot be written; a cache the user chose (``JAX_COMPILATION_CACHE_DIR``) is
+    left as it is. Set through the environment too, so worker processes use the same cache.
+    Returns the folder, or None when off."""
     if os.environ.get("POWERLENS_XLA_CACHE", "").strip().lower() in XLA_CACHE_OFF:
         return None
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return os.environ["JAX_COMPILATION_CACHE_DIR"]
     from .io import cache_dir
     folder = os.path.join(cache_dir(), "xla")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None                   # no cache where it cannot be written (JAX would warn on every compile)
+    if not os.access(folder, os.W_OK):
+        return None
     settings = {"JAX_COMPILATION_CACHE_DIR": folder,
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",      # the programs worth a file
                 "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 ** 30)}            # bytes, least recently used go first

@@ -241,11 +241,11 @@ if folder:
 """
 
 
-@pytest.mark.parametrize("setting", ["default", "off", "user"])
+@pytest.mark.parametrize("setting", ["default", "off", "user", "unwritable"])
 def test_compilation_cache_folder(tmp_path, setting):
     """The CLI keeps compiled programs under cache_dir()/xla (the entries are written there),
-    not at all with POWERLENS_XLA_CACHE=off, and in the user's own JAX cache folder
-    when one is set."""
+    not at all with POWERLENS_XLA_CACHE=off or where the folder cannot be made, and in the
+    user's own JAX cache folder when one is set."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
@@ -254,11 +254,15 @@ def test_compilation_cache_folder(tmp_path, setting):
         env["POWERLENS_XLA_CACHE"] = "off"
     if setting == "user":
         env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "mine")
+    if setting == "unwritable":                                   # a file where the folder would go
+        (tmp_path / "file").write_text("")
+        env["POWERLENS_CACHE"] = str(tmp_path / "file" / "pl")
     out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
                          timeout=120).stdout.split()
-    expected = {"default": str(tmp_path / "pl" / "xla"), "off": "None", "user": str(tmp_path / "mine")}[setting]
+    expected = {"default": str(tmp_path / "pl" / "xla"), "off": "None", "user": str(tmp_path / "mine"),
+                "unwritable": "None"}[setting]
     assert out[0] == expected
-    if setting != "off":
+    if setting not in ("off", "unwritable"):
         assert int(out[1]) >= 1                          # the programs it compiled
     else:
         assert not (tmp_path / "pl" / "xla").exists()
