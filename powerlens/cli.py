@@ -230,17 +230,13 @@ def _compilation_cache() -> Optional[str]:
         return None                   # no cache where it cannot be written (JAX would warn on every compile)
     if not os.access(folder, os.W_OK):
         return None
-    settings = {"JAX_COMPILATION_CACHE_DIR": folder,
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",      # the programs worth a file
-                "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 ** 30)}            # bytes, least recently used go first
-    for key, value in settings.items():
-        os.environ.setdefault(key, value)
-    if "jax" in sys.modules:                     # imported already: its config read the environment before
-        import jax
-        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-        jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    settings = {"jax_compilation_cache_dir": folder,
+                "jax_persistent_cache_min_compile_time_secs": 0.2,         # the programs worth a file
+                "jax_compilation_cache_max_size": 2 ** 30}                 # bytes, least recently used go first
+    for name, value in settings.items():        # JAX reads each from the variable of its name in capitals
+        os.environ.setdefault(name.upper(), str(value))
+        if "jax" in sys.modules:                 # imported already: its config read the environment before
+            sys.modules["jax"].config.update(name, type(value)(os.environ[name.upper()]))
     return folder
 
 

@@ -97,17 +97,18 @@ _stack_qkv_jit = jax.jit(_stack_qkv)
 _FUSED: "dict[tuple, tuple]" = {}        # ids of (W_q, W_k, W_v) -> (weak refs to them, fused weight)
 
 
-def fused_qkv(layers):
+def fused_qkv(layers, attention: str = "softmax"):
     """:func:`qkv_weight` of concrete stacked layers, built once per set of W_q, W_k, W_v
-    JAX arrays and kept while they live; None when the layers have no softmax weights, or
-    their weights are traced (inside jit or grad) or NumPy arrays (mutable: never cached).
+    JAX arrays and kept while they live (one more copy of those weights); None for an
+    ``attention`` other than softmax, layers without softmax weights, or weights that are
+    traced (inside jit or grad) or NumPy arrays (mutable: never cached).
 
     The jitted entry points (``run_batch``, ``simulate_batch``) pass it into the compiled
     program, which otherwise rebuilds it on every call: the concatenation copies every
     attention weight (SmolLM2: 66 MB, half the time of a 1 x 16 prompt). JAX arrays are
     immutable, so the identity of the three arrays names their contents."""
     arrays = (layers.W_q, layers.W_k, layers.W_v)
-    if not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in arrays):
+    if attention != "softmax" or not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in arrays):
         return None
     key = tuple(id(a) for a in arrays)
     hit = _FUSED.get(key)

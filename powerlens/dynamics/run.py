@@ -119,4 +119,5 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
     return _run_batch(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid), positions, schedule,
-                      fused_qkv(layers) if attention == "softmax" else None, rule=rule, attention=attention, keep_bias=keep_bias, observe=tuple(observe))
+                      fused_qkv(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
+                      observe=tuple(observe))

@@ -98,7 +98,8 @@ simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
 def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, qkv=None, **kw):
-    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, qkv=qkv, **kw)
+    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, qkv=qkv,
+                              **kw)
     return jax.vmap(f)(X0, valid)
 
 
@@ -121,8 +122,8 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
         schedule = jnp.asarray(schedule, jnp.int32)
     dtype = layers.W_v.dtype
     return simulate_batch_jit(layers, jnp.asarray(X0, dtype), subspaces, jnp.asarray(valid), positions,
-                              schedule, fused_qkv(layers) if attention == "softmax" else None, rule=rule, attention=attention, keep_bias=keep_bias,
-                              save_states=save_states)
+                              schedule, fused_qkv(layers, attention), rule=rule, attention=attention,
+                              keep_bias=keep_bias, save_states=save_states)
 
 
 def pooled(traj: Trajectory) -> dict:
