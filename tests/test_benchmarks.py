@@ -33,10 +33,11 @@ def test_tiny_configuration_agrees_with_torch(capsys):
         k = int(x["size"].split()[0])
         assert x["feasible"] == f"{k}/{k}/{k}", x          # every direction feasible on both sides
         assert x["closed_rel_max"] < 1e-4, x               # the bisection for the closed form
-        # float32, 20 Adam steps: ~3e-6 on the shared problem, ~3e-4 end to end (the entering
-        # states differ at float32 rounding, and Adam's early sign-like steps amplify it)
+        # float32, 20 Adam steps: ~1e-5 on the shared problem; end to end the entering states
+        # differ at float32 rounding and Adam's early sign-like steps amplify it: measured
+        # 3e-4 on one CPU and 5.6e-3 (one direction of 8, its ||dO|| within 1.8e-3) on another
         assert x["norm_rel_median"] < 1e-2, x
-        assert x["align_abs_max"] < 1e-3, x
+        assert x["align_abs_max"] < (1e-3 if x["what"].startswith("solve") else 2e-2), x
     # the same maths: float64 on both sides agrees to rounding over every step
     assert e["solve"]["f64_hist_rel_max"] < 1e-9, e["solve"]
     assert e["solve"]["norm_rel_max"] < 1e-3, e["solve"]

@@ -45,6 +45,39 @@ def test_blocked_equals_dense(n, block, causal, window, cap):
     np.testing.assert_allclose(np.asarray(got), ref, atol=2e-6, rtol=1e-5)
 
 
+class _Lp:
+    """The few layer fields the dense and query-blocked paths read."""
+
+    def __init__(self, causal, window, cap, scale=0.5):
+        import types
+        self.config = types.SimpleNamespace(causal=causal, attn_softcap=cap)
+        self.window, self.scale = window, scale
+
+
+@pytest.mark.parametrize("n,block,unrolled", [(7, 3, True), (16, 16, True), (33, 8, True), (33, 8, False),
+                                              (5, 64, True)])
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 4), (False, 3)])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_query_blocks_equal_dense(n, block, unrolled, causal, window, cap, monkeypatch):
+    """The default path of long prompts: queries by blocks (a causal block reading only the keys
+    up to its last query; unrolled, or mapped over the blocks beyond MAX_UNROLLED) gives the
+    textbook masked softmax, padding keys, windows and soft-capping included."""
+    from powerlens.dynamics import attention
+    if not unrolled:
+        monkeypatch.setattr(attention, "MAX_UNROLLED", 1)
+    rng = np.random.default_rng(n * 11 + block)
+    H, e = 3, 4
+    q, k, v = (rng.standard_normal((n, H, e)).astype(np.float32) * 2 for _ in range(3))
+    valid = np.ones(n, bool)
+    valid[rng.integers(0, n, size=max(1, n // 4))] = False
+    valid[0] = True
+    head = lambda a: jnp.swapaxes(jnp.asarray(a), 0, 1)
+    got = attention.query_blocked_mix(_Lp(causal, window, cap), head(q), head(k), head(v), jnp.asarray(valid), block)
+    ref = dense(q, k, v, valid, 0.5, causal, window, cap)
+    ok = valid if causal or window else np.ones(n, bool)     # a query with no allowed key (padding) is not compared
+    np.testing.assert_allclose(np.swapaxes(np.asarray(got), 0, 1)[ok], ref[ok], atol=2e-6, rtol=1e-5)
+
+
 def test_blocked_is_differentiable_jittable_and_vmappable():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 9, 2, 4)), jnp.float32) for _ in range(3))

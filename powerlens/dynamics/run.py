@@ -22,6 +22,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .attention import check_attention, fused_qkv, qkv_weight
 from .inputs import check_batch
@@ -90,12 +91,15 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     return {name: ob.finish(last[name], outs[name]) for name, ob in observers.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe"))
-def _run_batch(layers, X0, valid, positions, schedule, qkv=None, *, rule, attention, keep_bias, observe):
+@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe", "steps_first"))
+def _run_batch(layers, X0, valid, positions, schedule, qkv=None, *, rule, attention, keep_bias, observe,
+               steps_first=False):
     one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
                            positions=positions, schedule=schedule, qkv=qkv,
                            observers={name: READY[name]() for name in observe})
-    return jax.vmap(one)(X0, valid)
+    # the scan stacks the states step-major, so "float[T+1 B n d]" needs no transpose (B first: one copy)
+    out_axes = {name: 1 if steps_first and name == "states" else 0 for name in observe}
+    return jax.vmap(one, out_axes=out_axes)(X0, valid)
 
 
 BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
@@ -103,12 +107,14 @@ BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
 
 def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *, rule: str = "paper",
               attention: str = "softmax", observe: Sequence[str] = ("final",), keep_bias: Optional[bool] = None,
-              positions: "int[n] | None" = None, schedule: "int[T] | None" = None) -> Dict[str, Any]:
+              positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
+              steps_first: bool = False) -> Dict[str, Any]:
     """:func:`run` over a batch of prompts (validated, jit-compiled, vmapped), with the ready
     observers that need no arrays, by name: ``consensus``, ``states``, ``finite``, ``final``.
 
     Returns ``{name: result}`` with a leading prompt axis B, e.g. ``"final"``:
-    "float[B n d]", ``"states"``: "float[B T+1 n d]". A single prompt "float[n d]" gets B = 1.
+    "float[B n d]", ``"states"``: "float[B T+1 n d]" ("float[T+1 B n d]" with ``steps_first``,
+    the order the scan writes them in). A single prompt "float[n d]" gets B = 1.
     """
     check_rule(rule)
     check_attention(attention)
@@ -118,6 +124,8 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     X0, valid = check_batch(X0, valid, layers.config.d_model)
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
-    return _run_batch(layers, jnp.asarray(X0, layers.W_v.dtype), jnp.asarray(valid), positions, schedule,
+    # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
+    # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
+    return _run_batch(layers, np.asarray(X0, layers.W_v.dtype), valid, positions, schedule,
                       fused_qkv(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
-                      observe=tuple(observe))
+                      observe=tuple(observe), steps_first=bool(steps_first))

@@ -121,7 +121,7 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
     dtype = layers.W_v.dtype
-    return simulate_batch_jit(layers, jnp.asarray(X0, dtype), subspaces, jnp.asarray(valid), positions,
+    return simulate_batch_jit(layers, np.asarray(X0, dtype), subspaces, valid, positions,
                               schedule, fused_qkv(layers, attention), rule=rule, attention=attention,
                               keep_bias=keep_bias, save_states=save_states)
 

@@ -39,9 +39,8 @@ def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: st
     States only (the ``states()`` observer of :func:`powerlens.dynamics.run`, no measures),
     so it compiles and runs fast; x0 "float[B n d]" or "float[n d]", valid "bool[B n]" or "bool[n]".
     """
-    out = run_batch(model.layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                    observe=("states",))
-    return jnp.swapaxes(out["states"], 0, 1)
+    return run_batch(model.layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                     observe=("states",), steps_first=True)["states"]
 
 
 def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> "float[K+1 B n d]":
