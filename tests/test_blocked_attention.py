@@ -29,16 +29,21 @@ def dense(q, k, v, valid, scale, causal, window, cap):
     return np.einsum("hij,jhe->ihe", A, v)
 
 
-@pytest.mark.parametrize("n,block", [(7, 3), (16, 16), (33, 8), (5, 64)])
-@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 4), (False, 3)])
-@pytest.mark.parametrize("cap", [None, 2.0])
-def test_blocked_equals_dense(n, block, causal, window, cap):
-    rng = np.random.default_rng(n * 7 + block)
-    H, e = 3, 4
+def case(n, *, seed, H=3, e=4):
+    """Random q, k, v "float32[n H e]" and a key mask with about n/4 padding tokens (never token 0)."""
+    rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((n, H, e)).astype(np.float32) * 2 for _ in range(3))
     valid = np.ones(n, bool)
     valid[rng.integers(0, n, size=max(1, n // 4))] = False
     valid[0] = True
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("n,block", [(7, 3), (16, 16), (33, 8), (5, 64)])
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 4), (False, 3)])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_blocked_equals_dense(n, block, causal, window, cap):
+    q, k, v, valid = case(n, seed=n * 7 + block)
     got = blocked_attention_mix(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), scale=0.5,
                                 causal=causal, window=window, cap=cap, block=block)
     ref = dense(q, k, v, valid, 0.5, causal, window, cap)
@@ -65,12 +70,7 @@ def test_query_blocks_equal_dense(n, block, unrolled, causal, window, cap, monke
     from powerlens.dynamics import attention
     if not unrolled:
         monkeypatch.setattr(attention, "MAX_UNROLLED", 1)
-    rng = np.random.default_rng(n * 11 + block)
-    H, e = 3, 4
-    q, k, v = (rng.standard_normal((n, H, e)).astype(np.float32) * 2 for _ in range(3))
-    valid = np.ones(n, bool)
-    valid[rng.integers(0, n, size=max(1, n // 4))] = False
-    valid[0] = True
+    q, k, v, valid = case(n, seed=n * 11 + block)
     head = lambda a: jnp.swapaxes(jnp.asarray(a), 0, 1)
     got = attention.query_blocked_mix(_Lp(causal, window, cap), head(q), head(k), head(v), jnp.asarray(valid), block)
     ref = dense(q, k, v, valid, 0.5, causal, window, cap)
