@@ -210,16 +210,9 @@ BLOCKED_ABOVE = 256
 blocks win by 3x (see :func:`query_blocked_mix`)."""
 
 QUERY_BLOCK = 128
-"""Queries per block of the default path above :data:`BLOCKED_ABOVE` tokens; measured with
-``benchmarks/vs_torch.py`` and one attention core (8 x 512 and 1 x 2048 tokens): 128 was
-faster than 32, 64, 256 and 512 on this project's CPU machine."""
-
-
-def block_size(config, n: int) -> int:
-    """Keys per block of the online softmax (:mod:`powerlens.dynamics.blocked`) for a prompt of
-    n tokens: ``config.attention_block`` when it asks for key blocks (k > 0), else 0."""
-    b = config.attention_block
-    return 0 if b is None else int(b)
+"""Queries per block of the default path above :data:`BLOCKED_ABOVE` tokens; measured on one
+attention core (8 x 512 and 1 x 2048 tokens, vmapped): 128 was faster than 32, 64, 256 and
+512 on this project's CPU machine."""
 
 
 def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
@@ -237,13 +230,12 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
                       :func:`powerlens.dynamics.blocked.blocked_attention_mix`, "float[H n k]" at a time.
     """
     q, k, v = _softmax_qkv(lp, X, positions, qkv)
-    n = X.shape[0]
-    block = block_size(lp.config, n)
-    if block:
+    n, setting = X.shape[0], lp.config.attention_block
+    if setting:                                                         # k > 0: key blocks
         return blocked_attention_mix(q, k, v, valid, scale=lp.scale, causal=lp.config.causal, window=lp.window,
-                                     cap=lp.config.attn_softcap, block=block)
+                                     cap=lp.config.attn_softcap, block=int(setting))
     q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))                # (H, n, e)
-    qblock = QUERY_BLOCK if lp.config.attention_block is None and n > BLOCKED_ABOVE else n
+    qblock = QUERY_BLOCK if setting is None and n > BLOCKED_ABOVE else n
     return jnp.swapaxes(query_blocked_mix(lp, q, k, v, valid, qblock), 0, 1)
 
 

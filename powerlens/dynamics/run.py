@@ -97,7 +97,8 @@ def _run_batch(layers, X0, valid, positions, schedule, qkv=None, *, rule, attent
     one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
                            positions=positions, schedule=schedule, qkv=qkv,
                            observers={name: READY[name]() for name in observe})
-    # the scan stacks the states step-major, so "float[T+1 B n d]" needs no transpose (B first: one copy)
+    # the scan stacks each prompt's states step-major: with the prompt axis put second,
+    # "float[T+1 B n d]" comes out without the transpose that out_axes=0 then swapaxes would cost
     out_axes = {name: 1 if steps_first and name == "states" else 0 for name in observe}
     return jax.vmap(one, out_axes=out_axes)(X0, valid)
 
