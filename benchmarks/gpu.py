@@ -125,9 +125,8 @@ def main(argv=None):
     from simulate import build
     S, T = (8, 10) if args.tiny else (256, 200)
     _, stacked, ssubs, X0 = build(S, 64, 4, 32, T)
-    sweep = jax.jit(lambda lay, x, s: jax.vmap(lambda a, b, c: pl.simulate(a, b, c))(lay, x, s))
     add(workload="D", model=f"{S} synthetic systems", size=f"{S}x32", what=f"T={T}",
-        **timed(lambda: sweep(stacked, X0, ssubs), args.repeat))
+        **timed(lambda: pl.simulate_sweep(stacked, X0, ssubs), args.repeat))
 
     K, steps = (8, 20) if args.tiny else (64, 200)
     solve, api = steering_problem(minilm, K, steps)

@@ -42,8 +42,9 @@ import time
 
 # Expose every CPU core as a JAX host device, so that the sweep can be split over cores with
 # shard_map (XLA runs one small-matmul program per device on one core otherwise). Set before
-# jax is imported; it does nothing on GPU/TPU backends.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# jax is imported; it does nothing on GPU/TPU backends. Only when run as a script: imported
+# (by the tests), it must not change the environment their subprocesses inherit.
+if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}").strip()
 

@@ -78,6 +78,22 @@ def test_query_blocks_equal_dense(n, block, unrolled, causal, window, cap, monke
     np.testing.assert_allclose(np.swapaxes(np.asarray(got), 0, 1)[ok], ref[ok], atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,block", [(16, 16), (33, 8)])
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 4)])
+def test_grouped_query_heads_read_their_shared_keys(n, block, causal, window):
+    """Grouped-query attention (6 query heads over 2 key/value heads): the keys and values are
+    not repeated, yet query head h attends with key/value head h // 3, as transformers'
+    ``repeat_kv`` has it; checked against the textbook formula on repeated keys."""
+    from powerlens.dynamics import attention
+    q, _, _, valid = case(n, seed=n * 13 + block, H=6)
+    _, k, v, _ = case(n, seed=n * 17 + block, H=2)
+    head = lambda a: jnp.swapaxes(jnp.asarray(a), 0, 1)
+    got = attention.query_blocked_mix(_Lp(causal, window, None), head(q), head(k), head(v), jnp.asarray(valid), block)
+    ref = dense(q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), valid, 0.5, causal, window, None)
+    ok = valid if causal or window else np.ones(n, bool)
+    np.testing.assert_allclose(np.swapaxes(np.asarray(got), 0, 1)[ok], ref[ok], atol=2e-6, rtol=1e-5)
+
+
 def test_blocked_is_differentiable_jittable_and_vmappable():
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 9, 2, 4)), jnp.float32) for _ in range(3))

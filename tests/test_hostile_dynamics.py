@@ -296,6 +296,7 @@ def test_finite_observer_flags_inf_nan_and_zero_tokens_but_not_padding():
     assert bool(ob.init(X, valid, None)) and flag([[1.0, 2.0], [3.0, 4.0], [np.nan, 0.0]])
     assert not flag([[1.0, np.inf], [3.0, 4.0], [1.0, 1.0]])
     assert not flag([[1.0, np.nan], [3.0, 4.0], [1.0, 1.0]])
+    assert not flag([[1.0, 2.0], [np.nan, 4.0], [1.0, 1.0]]) and not flag([[1.0, 2.0], [3.0, -np.inf], [1.0, 1.0]])
     assert not flag([[0.0, 0.0], [3.0, 4.0], [1.0, 1.0]])
 
 

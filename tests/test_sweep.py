@@ -10,31 +10,43 @@ import numpy as np
 
 import powerlens as pl
 from powerlens.analysis.spectra import sweep_subspaces
-from powerlens.dynamics.sweep import simulate_sweep, stack_systems
+from powerlens.dynamics.sweep import MICRO_CPU, micro_batch, simulate_sweep, stack_systems
 
 SCRIPT = r"""
 import numpy as np, jax
 import powerlens as pl
 from powerlens.analysis.spectra import sweep_subspaces
 from powerlens.dynamics.sweep import stack_systems, simulate_sweep
-systems = [pl.synthetic_system([2.0, 0.5 + 0.5j], kind="normal", heads=2, d=6, seed=i, steps=12) for i in range(4)]
+S = 19      # 10 per device: padded to 16, two micro-batches of 8 each
+systems = [pl.synthetic_system([2.0, 0.5 + 0.5j], kind="normal", heads=2, d=6, seed=i, steps=12) for i in range(S)]
 _, subs = sweep_subspaces(systems)
-X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 5, 6) for i in range(4)])
+X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 5, 6) for i in range(S)])
 a = simulate_sweep(stack_systems(systems), X0, subs)
 b = simulate_sweep(stack_systems(systems), X0, subs, shard=False)
-assert jax.device_count() == 2
+assert jax.device_count() == 2 and a.final.shape[0] == S
 for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
 print("SHARDED-OK", a.final.sharding.num_devices)
 """
 
 
+def test_micro_batch_pads_each_device_share_to_whole_micro_batches():
+    assert micro_batch(256, 2, "cpu") == (256, MICRO_CPU)
+    assert micro_batch(19, 2, "cpu") == (32, MICRO_CPU)          # 10 per device -> 2 micro-batches of 8
+    assert micro_batch(19, 1, "cpu") == (24, MICRO_CPU)
+    assert micro_batch(5, 2, "cpu") == (6, None)                  # a share of 3: one vmap
+    assert micro_batch(19, 2, "gpu") == (20, None)
+
+
 def test_sweep_equals_individual_runs():
-    systems = [pl.synthetic_system([1.5 + 0.3 * i, 0.2], kind="symmetric", heads=2, d=4, seed=i, steps=8)
-               for i in range(3)]
+    """11 systems on one CPU device: padded to 16, two micro-batches; the padding is dropped."""
+    S = 11
+    systems = [pl.synthetic_system([1.5 + 0.1 * i, 0.2], kind="symmetric", heads=2, d=4, seed=i, steps=8)
+               for i in range(S)]
     spectra, subs = sweep_subspaces(systems)
-    X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 5, 4) for i in range(3)])
-    traj = simulate_sweep(stack_systems(systems), X0, subs)
+    X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 5, 4) for i in range(S)])
+    traj = simulate_sweep(stack_systems(systems), X0, subs, shard=False)
+    assert traj.final.shape == (S, 5, 4) and traj.gamma.shape[0] == S
     for i, s in enumerate(systems):
         one = pl.simulate_batch(s, X0[i][None], pl.reference_subspaces(spectra[i], seed=i))
         np.testing.assert_allclose(np.asarray(traj.final[i]), np.asarray(one.final[0]), atol=1e-6)

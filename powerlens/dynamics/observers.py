@@ -168,8 +168,11 @@ def states() -> Observer:
 
 
 def _all_finite(X, valid):
-    """Every valid token finite and non-zero (a zero token, e.g. N2 of an overflowed norm, has no direction)."""
-    return jnp.all((jnp.all(jnp.isfinite(X), axis=-1) & jnp.any(X != 0, axis=-1)) | ~valid)
+    """Every valid token finite and non-zero (a zero token, e.g. N2 of an overflowed norm, has no
+    direction): its largest |entry| is finite and positive (a NaN entry makes the max NaN). One
+    reduction over the tokens, the one :func:`~powerlens.dynamics.measures.unit_rows` also takes."""
+    top = jnp.max(jnp.abs(X), axis=-1)
+    return jnp.all((jnp.isfinite(top) & (top > 0)) | ~valid)
 
 
 def finite() -> Observer:

@@ -33,14 +33,13 @@ from typing import Any, Dict, List, Optional
 import jax
 import numpy as np
 
-from ..dynamics.sweep import system_map
+from ..dynamics.sweep import MICRO_CPU, system_map
 from . import columns
 from .grid import DYNAMIC, Grid, Group, system_seeds
 from .measures import measure
 from .spec import Spec
 from .systems import Static, Systems, concat, host_builder, model_systems, synthetic
 
-MICRO_CPU = 8                  # systems per vmap step on a CPU device (cache-sized)
 CPU_BUDGET = 1 << 30           # bytes per CPU device for one chunk
 MAX_CHUNK = {"cpu": 1024}      # systems per chunk at most (accelerators: 16384)
 
