@@ -78,24 +78,31 @@ over all 256 took 2.4 s, micro-batches of 8 in ``lax.map`` 1.7 s on one device a
 over the 2 cores as host devices; 16 was as fast as 8, 2 and 32 slower."""
 
 
+def padded_size(systems: int, devices: int, micro: Optional[int]) -> int:
+    """The system count padded so that every device gets an equal share, a whole number of
+    micro-batches when ``micro`` is given (every system is then computed by the same vmap
+    width, whatever the count: XLA's rounding can depend on it)."""
+    per = -(-systems // devices)
+    return (-(-per // micro) * micro if micro else per) * devices
+
+
 def micro_batch(systems: int, devices: int, platform: str) -> Tuple[int, Optional[int]]:
     """(padded system count, micro-batch or None) for ``systems`` split evenly over ``devices``:
-    on a CPU, micro-batches of :data:`MICRO_CPU` when a device's share is larger than one,
-    the share padded to a whole number of them; elsewhere (and for small shares) one vmap
-    over the share, padded to a multiple of ``devices``."""
-    per = -(-systems // devices)
-    if platform == "cpu" and per > MICRO_CPU:
-        return -(-per // MICRO_CPU) * MICRO_CPU * devices, MICRO_CPU
-    return per * devices, None
+    on a CPU, micro-batches of :data:`MICRO_CPU` when a device's share is larger than one;
+    elsewhere (and for small shares) one vmap over the share (:func:`padded_size`)."""
+    micro = MICRO_CPU if platform == "cpu" and -(-systems // devices) > MICRO_CPU else None
+    return padded_size(systems, devices, micro), micro
 
 
 def pad_systems(tree, size: int):
     """Every leaf's leading (system) axis padded to ``size`` by repeating the last system: the
-    padding runs real data (never a NaN) and is sliced off the results."""
+    padding runs real data (never a NaN) and is sliced off the results. NumPy leaves stay on
+    the host (NumPy), the others become JAX arrays."""
     def pad(a):
-        a = jnp.asarray(a)
+        xp = np if isinstance(a, np.ndarray) else jnp
+        a = xp.asarray(a)
         extra = size - a.shape[0]
-        return jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)]) if extra > 0 else a
+        return xp.concatenate([a, xp.repeat(a[-1:], extra, axis=0)]) if extra > 0 else a
     return jax.tree_util.tree_map(pad, tree)
 
 

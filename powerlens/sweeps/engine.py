@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import jax
 import numpy as np
 
-from ..dynamics.sweep import MICRO_CPU, system_map
+from ..dynamics.sweep import MICRO_CPU, pad_systems, padded_size, system_map
 from . import columns
 from .grid import DYNAMIC, Grid, Group, system_seeds
 from .measures import measure
@@ -168,24 +168,6 @@ def stored(store, name: str):
         return None
 
 
-def _padded(n: int, ndev: int, micro: Optional[int]):
-    """(padded size, micro-batch) for n systems over ndev devices: with a micro-batch every
-    device's share is a whole number of micro-batches, so every system is computed by the
-    same vmap width whatever the chunk size and device count (XLA's rounding can depend on it)."""
-    per = math.ceil(n / ndev)
-    if micro:
-        return math.ceil(per / micro) * micro * ndev, micro
-    return per * ndev, None
-
-
-def _pad(tree, size: int):
-    """Pad every leaf's leading axis to ``size`` by repeating the last system (real data, no NaN)."""
-    def pad(a):
-        a = np.asarray(a)
-        return np.concatenate([a, np.repeat(a[-1:], size - a.shape[0], axis=0)]) if size > a.shape[0] else a
-    return jax.tree_util.tree_map(pad, tree)
-
-
 def _program(st: Static, device_built: bool, mesh, micro: Optional[int]):
     """The compiled chunk program of a group (one per static config, mesh and micro-batch);
     host-built systems bring their shapes with them, so only the dynamics' settings count."""
@@ -239,14 +221,14 @@ class Engine:
         group, st = self.groups[chunk.group], self.statics[chunk.group]
         ids = group.systems(chunk.start, chunk.stop)
         R = self.grid.replicates
-        size, micro = _padded(chunk.size, self.mesh.size, self.micro)
+        size, micro = padded_size(chunk.size, self.mesh.size, self.micro), self.micro
         if self.device_built:
             inputs, facts = self._seeds_and_values(ids, st), {}
         else:
             sy = self._host_systems(ids[::R] // R)
             facts = {"lam": np.asarray(sy.lam), "dim": np.asarray(sy.dim), "v1": np.asarray(sy.v1)}
             inputs = (sy.replace(lam=None, dim=None, v1=None),)
-        return ids, _pad(inputs, size), micro, facts
+        return ids, pad_systems(jax.tree_util.tree_map(np.asarray, inputs), size), micro, facts
 
     def _seeds_and_values(self, ids, st: Static):
         """What a synthetic system is built from: its seed "int32[S]" and dynamic values."""
