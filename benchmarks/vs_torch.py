@@ -72,14 +72,25 @@ MIN_SECONDS = 0.5
 in a slow phase of it."""
 
 
+def best_of_each(fns, repeat: int) -> dict:
+    """{name: best time} of the calls ``fns`` {name: fn}, timed in turns (a, b, a, b, ...) so
+    that the machine's slow and fast phases fall on every side of a ratio alike; each at least
+    ``repeat`` times and until :data:`MIN_SECONDS` is spent on it (at most 200 samples)."""
+    for fn in fns.values():
+        fn()                                    # warm-up (compiles)
+    times = {name: [] for name in fns}
+    more = lambda t: len(t) < repeat or (sum(t) < MIN_SECONDS and len(t) < 200)
+    while any(more(t) for t in times.values()):
+        for name, fn in fns.items():
+            if more(times[name]):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
+
+
 def best_of(fn, repeat: int) -> float:
-    fn()                                        # warm-up (compiles)
-    times = []
-    while len(times) < repeat or (sum(times) < MIN_SECONDS and len(times) < 200):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return best_of_each({"one": fn}, repeat)["one"]
 
 
 def jax_call(f):
@@ -91,9 +102,9 @@ def matmul_rates(repeat: int):
     a = np.random.default_rng(0).standard_normal((n, n), np.float32)
     ja = jnp.asarray(a)
     mm = jax.jit(lambda x: x @ x)
-    tj = best_of(jax_call(lambda: mm(ja)), repeat)
     ta = torch.from_numpy(a)
-    tt = best_of(lambda: ta @ ta, repeat)
+    t = best_of_each({"jax": jax_call(lambda: mm(ja)), "torch": lambda: ta @ ta}, repeat)
+    tj, tt = t["jax"], t["torch"]
     flops = 2 * n ** 3
     return flops / tj / 1e9, flops / tt / 1e9
 
@@ -264,26 +275,25 @@ def workload_a(models, sizes, repeat, report):
                 with torch.inference_mode():
                     theirs = torch_run(cfg, params, sched, tx, tv, rule)[-1].numpy()
                 err = float(np.max(np.abs(ours - theirs)[valid]) / max(np.max(np.abs(theirs[valid])), 1e-30))
-                t_pl = best_of(jax_call(lambda: pl.run_states(model, x0, valid, rule=rule)), repeat)
 
                 def t_states():
                     with torch.inference_mode():
                         torch_run(cfg, params, sched, tx, tv, rule)
-                t_t = best_of(t_states, repeat)
-                line = dict(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
-                            powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, rel_err=err)
-                report(line)
-                if rule == "paper":
-                    t_pm = best_of(jax_call(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid,
-                                                                       rule=rule)), repeat)
 
-                    def t_meas():
-                        with torch.inference_mode():
-                            torch_run(cfg, params, sched, tx, tv, rule, tsubs)
-                    t_tm = best_of(t_meas, repeat)
+                def t_meas():
+                    with torch.inference_mode():
+                        torch_run(cfg, params, sched, tx, tv, rule, tsubs)
+                fns = {"pl": jax_call(lambda: pl.run_states(model, x0, valid, rule=rule)), "torch": t_states}
+                if rule == "paper":                  # every measure; timed in turns with the states
+                    fns.update(pl_meas=jax_call(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid,
+                                                                          rule=rule)), torch_meas=t_meas)
+                t = best_of_each(fns, repeat)
+                report(dict(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
+                            powerlens_s=t["pl"], torch_s=t["torch"], ratio=t["torch"] / t["pl"], rel_err=err))
+                if rule == "paper":
                     report(dict(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="measures",
-                                powerlens_s=t_pm, torch_s=t_tm, ratio=t_tm / t_pm,
-                                measures_over_states=t_pm / t_pl))
+                                powerlens_s=t["pl_meas"], torch_s=t["torch_meas"],
+                                ratio=t["torch_meas"] / t["pl_meas"], measures_over_states=t["pl_meas"] / t["pl"]))
 
 
 def workload_b(model, steps, repeat, report):
@@ -297,12 +307,13 @@ def workload_b(model, steps, repeat, report):
     with torch.inference_mode():
         theirs = torch_run(cfg, params, [0] * steps, tx, tv, "paper")[-1].numpy()
     err = float(np.max(np.abs(ours - theirs)))
-    t_pl = best_of(jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), repeat)
 
     def t_torch():
         with torch.inference_mode():
             torch_run(cfg, params, [0] * steps, tx, tv, "paper")
-    t_t = best_of(t_torch, repeat)
+    t = best_of_each({"pl": jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), "torch": t_torch},
+                     repeat)
+    t_pl, t_t = t["pl"], t["torch"]
     report(dict(workload="B", model="minilm layer 3", size="1x32", rule="paper", what=f"T={steps}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -352,12 +363,13 @@ def workload_c(model, repeat, report):
         val.backward()
         return W.grad
     gt = torch_grad().numpy()
-    t_t = best_of(torch_grad, repeat)
-    for what, g, f in (("grad W_o", gj, grad), ("grad W_o whole scan", gj_scan, grad_scan)):
+    variants = (("grad W_o", gj, grad), ("grad W_o whole scan", gj_scan, grad_scan))
+    t = best_of_each({"torch": torch_grad, **{what: jax_call(lambda f=f: f(L.W_o[-1], L, jx))
+                                               for what, _, f in variants}}, repeat)
+    for what, g, f in variants:
         err = float(np.max(np.abs(g - gt)) / np.max(np.abs(gt)))
-        t_pl = best_of(jax_call(lambda f=f: f(L.W_o[-1], L, jx)), repeat)
         report(dict(workload="C", model="minilm", size="4x32", rule="paper", what=what,
-                    powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, rel_err=err))
+                    powerlens_s=t[what], torch_s=t["torch"], ratio=t["torch"] / t[what], rel_err=err))
 
 
 def workload_d(S, T, repeat, report):
@@ -391,12 +403,12 @@ def workload_d(S, T, repeat, report):
     with torch.inference_mode():
         fin = torch_sweep().numpy()
     err = float(np.max(np.abs(np.asarray(tr.final) - fin)))
-    t_pl = best_of(jax_call(lambda: run(stacked, X0, subs)), repeat)
 
     def t_torch():
         with torch.inference_mode():
             torch_sweep()
-    t_t = best_of(t_torch, repeat)
+    t = best_of_each({"pl": jax_call(lambda: run(stacked, X0, subs)), "torch": t_torch}, repeat)
+    t_pl, t_t = t["pl"], t["torch"]
     report(dict(workload="D", model=f"{S} synthetic systems", size=f"{S}x{n}", rule="paper", what=f"T={T}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -641,8 +653,8 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     self_cmp = compare_steering(ours, ours64)
     cmp.update(f64_hist_rel_max=history_rel(ours64s, theirs64s), f64_steps=short["steps"],
                self_rel_median=self_cmp["norm_rel_median"], self_rel_max=self_cmp["norm_rel_max"])
-    t_pl = best_of(jax_call(solve), repeat)
-    t_t = best_of(lambda: torch_steer(*targs, **c), repeat)
+    t = best_of_each({"pl": jax_call(solve), "torch": lambda: torch_steer(*targs, **c)}, repeat)
+    t_pl, t_t = t["pl"], t["torch"]
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"solve {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
     # end to end: the public API against the torch user's whole pipeline
@@ -662,8 +674,8 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     a_ours = {k: getattr(res, k) for k in ("norm", "alignment", "feasible", "closed_norm", "closed_alignment")}
     a_theirs = {k: v.numpy() for k, v in torch_api().items()}
     cmp = compare_steering(a_ours, a_theirs)
-    t_pl = best_of(lambda: api().norm, repeat)
-    t_t = best_of(torch_api, repeat)
+    t = best_of_each({"pl": lambda: api().norm, "torch": torch_api}, repeat)
+    t_pl, t_t = t["pl"], t["torch"]
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"api {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
 

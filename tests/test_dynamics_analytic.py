@@ -35,12 +35,13 @@ def _sym(eigs, seed=0):
     return Q @ np.diag(eigs) @ Q.T, Q
 
 
-def _run(F, x0, steps, *, attention="uniform", heads=1, seed=0, order="shifted", save_states=True):
+def _run(F, x0, steps, *, attention="uniform", heads=1, seed=0, order="shifted", save_states=True,
+         measure_after=False):
     layers = synthetic_system(None, F=F, heads=heads, seed=seed, steps=steps, dtype=np.float64)
     assert layers.W_v.dtype == jnp.float64          # float64 honoured end to end
     sub = reference_subspaces(layer_spectra(F), order=order, dtype=jnp.float64)
     traj = simulate_jit(layers, jnp.asarray(x0, jnp.float64), sub, rule="paper", attention=attention,
-                        save_states=save_states)
+                        save_states=save_states, measure_after=measure_after)
     assert traj.final.dtype == jnp.float64
     return traj, layers, sub
 
@@ -91,8 +92,9 @@ def test_uniform_symmetric_consensus_and_direction_rates():
 
 # -------------------------------------------------------------------------- complex pair
 
+@pytest.mark.parametrize("measure_after", [False, True])
 @pytest.mark.parametrize("kind", ["normal", "nonnormal"])
-def test_complex_pair_rotation(kind):
+def test_complex_pair_rotation(kind, measure_after):
     """Dominant pair lambda1 = 0.5 + 1.2j (others 0.3, -0.2, 0.1, 0.25; |1+l| <= 1.3 < 1.92).
 
     At consensus the tokens take power steps on I + F, which on the invariant plane acts
@@ -101,14 +103,15 @@ def test_complex_pair_rotation(kind):
     arg(1+lambda1) > 0, gamma -> 1 and ||(I+F) xbar|| / ||xbar|| -> |1+lambda1| = 1.9209.
     Non-normal F: the restriction T2 is only similar to a rotation, so the angle per step
     varies along the orbit, but its long-run mean (the rotation number) is still
-    arg(1+lambda1); amplitude ratios average to |1+lambda1| in the log.
+    arg(1+lambda1); amplitude ratios average to |1+lambda1| in the log. The same holds
+    measuring all 201 states after the scan (``measure_after``).
     """
     lam = 0.5 + 1.2j
     from powerlens.dynamics.synthetic import spectrum_matrix
     F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.25], kind=kind, d=6, rng=np.random.default_rng(3),
                         nonnormality=0.5)
     rng = np.random.default_rng(4)
-    traj, _, sub = _run(F, sphere_tokens(rng, 5, 6), 200)
+    traj, _, sub = _run(F, sphere_tokens(rng, 5, 6), 200, measure_after=measure_after)
     theta = math.atan2(1.2, 1.5)
     rot = np.asarray(traj.rotation)
     S = np.asarray(traj.states)

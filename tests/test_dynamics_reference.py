@@ -8,6 +8,7 @@ the agreement expected is float32 rounding: ~1e-5 after a few steps.
 """
 import dataclasses
 
+import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -105,11 +106,14 @@ def _compare(traj, ref, valid, tol=TOL):
     assert int(traj.n_valid) == n
 
 
+@pytest.mark.parametrize("measure_after", [False, True])
 @pytest.mark.parametrize("attention", ["softmax", "uniform", "identity"])
 @pytest.mark.parametrize("rule", ["paper", "post_ln", "pre_ln"])
-def test_causal_window_padding_gqa(sys_causal, attention, rule):
+def test_causal_window_padding_gqa(sys_causal, attention, rule, measure_after):
+    """Every measure, inside the scan and (measure_after) from all the states afterwards."""
     layers, sub, x0, valid = sys_causal
-    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention)
+    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention,
+                        measure_after=measure_after)
     ref = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention=attention)
     _compare(traj, ref, valid)
     # the dominant complex pair of layer 0 makes the rotation defined on its steps only
@@ -131,11 +135,13 @@ def test_keep_bias_flipped(sys_causal, rule, keep_bias):
     assert np.abs(other["final"] - ref["final"])[valid].max() > 1e-2
 
 
+@pytest.mark.parametrize("measure_after", [False, True])
 @pytest.mark.parametrize("attention", ["softmax", "uniform"])
 @pytest.mark.parametrize("rule", ["paper", "post_ln", "pre_ln"])
-def test_rope_window_rmsnorm(sys_rope, attention, rule):
+def test_rope_window_rmsnorm(sys_rope, attention, rule, measure_after):
     layers, sub, x0, valid = sys_rope
-    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention)
+    traj = simulate_jit(layers, jnp.asarray(x0), sub, valid=jnp.asarray(valid), rule=rule, attention=attention,
+                        measure_after=measure_after)
     ref = R.simulate_layers(layers, x0, sub, valid=valid, rule=rule, attention=attention)
     _compare(traj, ref, valid)
 
@@ -298,3 +304,86 @@ def test_fused_qkv_cached_per_weights_never_stale(sys_causal):
                             valid=valid, rule="paper", attention="softmax")
     got = np.asarray(run_batch(other, X0, V)["final"])[0][valid]
     np.testing.assert_allclose(got, ref["final"][valid], atol=TOL * (1 + np.abs(ref["final"][valid]).max()))
+
+
+@pytest.mark.parametrize("schedule", [(0, 1), "shared", None], ids=["one-per-layer", "shared", "array"])
+def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
+    """``measure_after`` gives the numbers of the step-by-step observers (float32 rounding of a
+    batched matmul at most) for a compact static schedule (0, 1), a shared-weight system, and an
+    "int[T]" schedule array; an observer without ``of_states`` keeps the whole run in the scan;
+    simulate_batch measures a small batch afterwards and a large one inside."""
+    import importlib
+    from powerlens.dynamics.observers import READY, Observer, alignment
+    from powerlens.dynamics.run import measure_after_pays, run
+    layers, sub, x0, valid = sys_causal
+    kw = dict(rule="paper", attention="softmax")
+    if schedule is None:
+        sched_arr = jnp.asarray([1, 0, 0, 1, 1, 0], jnp.int32)
+    elif schedule == "shared":                       # one unique layer: its projections carried
+        layers, sched_arr = layers.shared(0, 4), None
+        sub = type(sub)(basis=sub.basis[:1], dim=sub.dim[:1], names=sub.names)
+    else:
+        layers = dataclasses.replace(layers, config=dataclasses.replace(layers.config, schedule=schedule))
+        sched_arr = None
+    obs = lambda: {**{k: READY[k]() for k in ("consensus", "states", "finite", "final")},
+                   "alignment": alignment(sub)}
+    go = jax.jit(lambda x, v, s, after: run(layers, x, v, observers=obs(), schedule=s, measure_after=after, **kw),
+                 static_argnums=3)
+    inside = go(jnp.asarray(x0), jnp.asarray(valid), sched_arr, False)
+    after = go(jnp.asarray(x0), jnp.asarray(valid), sched_arr, True)
+    flat = lambda tree: jax.tree_util.tree_leaves(tree)
+    for a, b in zip(flat(inside), flat(after)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(b, a, atol=2e-6, rtol=2e-6)
+    assert np.isfinite(np.asarray(inside["alignment"].rotation)).any()   # the complex pair of layer 0 is seen
+    # a custom observer without of_states: everything is measured inside the scan, no error
+    calls = []
+    bare = Observer(init=lambda x0, v, lay: 0.0,
+                    update=lambda c, X, Y, st: (c + jnp.sum(Y), calls.append("update")),
+                    finish=lambda c, outs: c)
+    mixed = run(layers, jnp.asarray(x0), jnp.asarray(valid), observers={"sum": bare, "final": READY["final"]()},
+                schedule=sched_arr, measure_after=True, **kw)
+    assert calls == ["update"]
+    np.testing.assert_allclose(np.asarray(mixed["final"]), np.asarray(inside["final"]), atol=2e-6)
+    # the rule simulate_batch follows: bytes of all prompts' states against the bound
+    assert measure_after_pays(1, 5, 7, 8, 4) and not measure_after_pays(2, 2 ** 20, 1, 1, 4)
+    sim = importlib.import_module("powerlens.dynamics.simulate")
+    seen = []
+    real = sim.simulate_batch_jit
+    T = len(layers.schedule) if sched_arr is None else len(sched_arr)
+    bound = (T + 1) * 7 * 8 * 4                      # one prompt's states, float32
+    monkeypatch.setattr(sim, "simulate_batch_jit", lambda *a, **k: seen.append(k["measure_after"]) or real(*a, **k))
+    monkeypatch.setattr(importlib.import_module("powerlens.dynamics.run"), "MEASURE_AFTER_BYTES", bound)
+    one = simulate_batch(layers, x0[None], sub, valid=valid[None], schedule=sched_arr)
+    two = simulate_batch(layers, np.repeat(x0[None], 2, 0), sub, valid=np.repeat(valid[None], 2, 0), schedule=sched_arr)
+    assert seen == [True, False]
+    np.testing.assert_allclose(np.asarray(one.consensus[0]), np.asarray(two.consensus[1]), atol=2e-6)
+
+
+def test_rotation_planes_cached_per_arrays_and_equal_to_computing_them_inside(sys_causal):
+    """simulate_batch hands the alignment observer the complex-pair planes computed once per
+    (basis, dim, W_o, W_v): layer 0 of this system has a complex top pair, layer 1 a real one.
+    The cached array is reused, recomputed for a new W_o, never built from NumPy or traced
+    arrays, and simulate gives the same trajectory with it as without."""
+    import jax
+    from powerlens.dynamics.observers import complex_pair_planes, rotation_planes
+    layers, sub, x0, valid = sys_causal
+    planes = rotation_planes(sub, layers)
+    np.testing.assert_array_equal(np.asarray(planes), [True, False])
+    np.testing.assert_array_equal(np.asarray(planes), np.asarray(complex_pair_planes(sub, layers, 0)))
+    assert rotation_planes(sub, layers) is planes                                   # computed once
+    other = layers.replace(W_o=layers.W_o * 1.0)
+    assert rotation_planes(sub, other) is not planes                                # a new W_o: its own
+    assert rotation_planes(sub, layers.replace(W_o=np.asarray(layers.W_o))) is None  # NumPy: never cached
+    seen = []
+    jax.jit(lambda b: seen.append(rotation_planes(type(sub)(basis=b, dim=sub.dim, names=sub.names), layers))
+            or b)(sub.basis)
+    assert seen == [None]                                                           # traced: never cached
+    kw = dict(valid=jnp.asarray(valid), rule="paper", attention="softmax")
+    given = simulate_jit(layers, jnp.asarray(x0), sub, planes=planes, **kw)
+    inside = simulate_jit(layers, jnp.asarray(x0), sub, **kw)
+    for a, b in zip(jax.tree_util.tree_leaves(given), jax.tree_util.tree_leaves(inside)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(np.asarray(given.rotation)).any()

@@ -315,9 +315,19 @@ def test_measures_of_huge_finite_states_are_scale_free():
     for f in (DM.consensus_distance, DM.rank_collapse_residual, DM.mean_pairwise_cosine):
         close(f(big, valid), f(jnp.asarray(X), valid))
     c_big, c = DM.consensus_measures(big, valid), DM.consensus_measures(jnp.asarray(X), valid)
+    # tiny: squares of 1e-30 underflow in float32; a padding row of ones and one of inf change nothing
+    tiny = jnp.asarray(X * np.float32(1e-30)).at[6].set(1.0)
+    c_tiny = DM.consensus_measures(tiny, valid)
+    c_inf = DM.consensus_measures(jnp.asarray(X).at[6].set(np.inf), valid)
     for name in ("consensus", "rank_collapse", "pairwise_cos"):
         assert np.isfinite(float(getattr(c_big, name)))
         close(getattr(c_big, name), getattr(c, name))
+        close(getattr(c_tiny, name), getattr(c, name))
+        close(getattr(c_inf, name), getattr(c, name))
+    # a non-finite valid token makes every consensus measure NaN, never a number
+    for bad in (np.inf, -np.inf, np.nan):
+        c_bad = DM.consensus_measures(jnp.asarray(X).at[2, 1].set(bad), valid)
+        assert all(np.isnan(float(getattr(c_bad, k))) for k in ("consensus", "rank_collapse", "pairwise_cos"))
     basis = jnp.zeros((1, 3, 5, 2), jnp.float32).at[:, :, :, :].set(B)
     subs = Subspaces(basis=basis, dim=jnp.full((1, 3), 2, jnp.int32), names=("principal", "random", "other_layer"))
     layers = synthetic_system([1.0 + 0.5j, 0.2], kind="normal", d=5, seed=0)

@@ -18,12 +18,11 @@ fused projection (:func:`qkv_weight`), then the masked softmax.
 """
 from __future__ import annotations
 
-import weakref
-
 import jax
 import jax.numpy as jnp
 
 from .blocked import blocked_attention_mix
+from .cache import per_arrays
 from .norms import apply_norm
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
@@ -148,31 +147,22 @@ def _stack_qkv(W_q, W_k, W_v):
 
 
 _stack_qkv_jit = jax.jit(_stack_qkv)
-_FUSED: "dict[tuple, tuple]" = {}        # ids of (W_q, W_k, W_v) -> (weak refs to them, fused weight)
 
 
 def fused_qkv(layers, attention: str = "softmax"):
     """:func:`qkv_weight` of concrete stacked layers, built once per set of W_q, W_k, W_v
-    JAX arrays and kept while they live (one more copy of those weights); None for an
-    ``attention`` other than softmax, layers without softmax weights, or weights that are
-    traced (inside jit or grad) or NumPy arrays (mutable: never cached).
+    JAX arrays and kept while they live (one more copy of those weights,
+    :func:`~powerlens.dynamics.cache.per_arrays`); None for an ``attention`` other than
+    softmax, layers without softmax weights, or weights that are traced (inside jit or grad)
+    or NumPy arrays (mutable: never cached).
 
     The jitted entry points (``run_batch``, ``simulate_batch``) pass it into the compiled
     program, which otherwise rebuilds it on every call: the concatenation copies every
-    attention weight (SmolLM2: 66 MB, half the time of a 1 x 16 prompt). JAX arrays are
-    immutable, so the identity of the three arrays names their contents."""
-    arrays = (layers.W_q, layers.W_k, layers.W_v)
-    if attention != "softmax" or not all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) for a in arrays):
+    attention weight (SmolLM2: 66 MB, half the time of a 1 x 16 prompt)."""
+    if attention != "softmax":
         return None
-    key = tuple(id(a) for a in arrays)
-    hit = _FUSED.get(key)
-    if hit is not None and all(r() is a for r, a in zip(hit[0], arrays)):
-        return hit[1]
-    fused = _stack_qkv_jit(*arrays)
-    _FUSED[key] = (tuple(weakref.ref(a) for a in arrays), fused)
-    for a in arrays:                                          # dropped with the first weight to go
-        weakref.finalize(a, _FUSED.pop, key, None)
-    return fused
+    arrays = (layers.W_q, layers.W_k, layers.W_v)
+    return per_arrays("qkv", arrays, lambda: _stack_qkv_jit(*arrays))
 
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):

@@ -47,23 +47,26 @@ def _pow2_scale(a):
     return jnp.where(jnp.isfinite(a), jnp.where(a > 0, jnp.ldexp(jnp.ones_like(a), e), 1.0), a)
 
 
+def row_scaled(X):
+    """(Xp, p, r2) of X "float[n d]": p_i "float[n]" the power of two near the largest |entry|
+    of row i, Xp = x_i / p_i (exact; entries in (-1, 1)) and r2_i = ||x_i / p_i||^2 "float[n]",
+    so ||x_i|| = p_i sqrt(r2_i) without squaring a large entry."""
+    p = _pow2_scale(jnp.max(jnp.abs(X), axis=-1))
+    Xp = X / p[:, None]
+    return Xp, p, jnp.sum(Xp * Xp, axis=-1)
+
+
 def unit_rows(X):
     """x_i / ||x_i|| for every row of X "float[n d]" (a zero row stays 0), without squaring a
     large entry: each row is first divided by a power of two near its largest entry."""
-    Y = X / _pow2_scale(jnp.max(jnp.abs(X), axis=-1, keepdims=True))
-    return Y / _safe(jnp.linalg.norm(Y, axis=-1, keepdims=True))
+    Xp, _, r2 = row_scaled(X)
+    return Xp / _safe(jnp.sqrt(r2))[:, None]
 
 
 def masked_mean(values, valid):
     """Mean over the valid tokens of values "float[... n]" -> "float[...]"."""
     w, n = _weights(valid, values.dtype)
     return jnp.sum(values * w, axis=-1) / n
-
-
-def token_mean(X, valid):
-    """xbar "float[d]": the mean of the valid rows of X "float[n d]"."""
-    w, n = _weights(valid, X.dtype)
-    return (w @ X) / n
 
 
 def alignment(X, basis):
@@ -88,43 +91,49 @@ class Consensus:
     pairwise_cos: jax.Array     # mean pairwise cosine, 1 at consensus
 
 
-def _masked(X, valid):
-    """(Xw, R): the valid rows of X and of its residual R = X - 1 xbar^T (others zeroed),
-    both divided by a power of two near the largest valid entry (the ratios are scale-free)."""
+def consensus_measures(X, valid) -> Consensus:
+    """mu, the rank-collapse residual and the mean pairwise cosine of one state X "float[n d]"
+    over its valid rows, in few passes over X (each measure is scale-free, so X is measured as
+    X / c, c the power of two near its largest valid entry)::
+
+        row pass      p_i, Xp_i = x_i / p_i, r2_i = ||Xp_i||^2          (:func:`row_scaled`,
+                      the pass :func:`unit_rows` of the same state makes: XLA shares it)
+        one matmul    [xbar; s] = [w_i (p_i / c) / n ; w_i / sqrt(r2_i)] @ Xp
+                      xbar: the mean of the valid rows of X / c,  s = sum_i w_i x_i / ||x_i||
+        R pass        R = w (X / c - xbar): sum R^2, its row and column sums of |R|
+        X / c pass    its row and column sums of |X / c|; ||X / c||_F^2 = sum_i w_i (p_i / c)^2 r2_i
+
+    mu = ||R||_F / ||X||_F, res = sqrt(||R||_1 ||R||_inf / (||X||_1 ||X||_inf)) and
+    pairwise cos = (||s||^2 - n) / (n (n - 1)) (module docstring). A non-finite valid entry makes
+    every measure NaN; padding rows are selected away (never multiplied by 0), so they count
+    nowhere whatever they hold.
+    """
+    w, n = _weights(valid, X.dtype)
     v = valid[:, None]
-    Xw = jnp.where(v, X, 0)
-    Xw = Xw / _pow2_scale(jnp.max(jnp.abs(Xw)))
-    return Xw, jnp.where(v, Xw - token_mean(Xw, valid), 0)
-
-
-def _frobenius_ratio(R, Xw):
-    return jnp.sqrt(jnp.sum(R * R) / jnp.sum(Xw * Xw))
-
-
-def _ratio_1inf(R, Xw):
+    Xp, p, r2 = row_scaled(X)
+    c = _pow2_scale(jnp.max(jnp.where(valid, jnp.max(jnp.abs(X), axis=-1), 0)))
+    ratio = jnp.where(valid, p / c, 0)               # exact powers of two, <= 1; 0 for padding
+    inv_norm = jnp.where(valid, 1 / _safe(jnp.sqrt(r2)), 0)
+    xbar, s = jnp.stack([ratio / n, inv_norm]) @ jnp.where(v, Xp, 0)
+    Xs = jnp.where(v, X / c, 0)
+    R = jnp.where(v, Xs - xbar, 0)
+    mu = jnp.sqrt(jnp.sum(R * R) / jnp.sum(ratio * ratio * jnp.where(valid, r2, 0)))
     n1inf = lambda A: jnp.max(jnp.sum(A, axis=0)) * jnp.max(jnp.sum(A, axis=1))
-    return jnp.sqrt(n1inf(jnp.abs(R)) / n1inf(jnp.abs(Xw)))
+    res = jnp.sqrt(n1inf(jnp.abs(R)) / n1inf(jnp.abs(Xs)))
+    pc = (jnp.dot(s, s) - jnp.sum(w)) / jnp.maximum(n * (n - 1), 1.0)
+    return Consensus(consensus=mu, rank_collapse=res, pairwise_cos=pc)
 
 
 def mean_pairwise_cosine(X, valid):
     """Mean of cos(x_i, x_j) over ordered pairs of distinct valid tokens (1 at consensus)."""
-    w, n = _weights(valid, X.dtype)
-    s = w @ jnp.where(valid[:, None], unit_rows(X), 0)
-    return (jnp.dot(s, s) - jnp.sum(w)) / jnp.maximum(n * (n - 1), 1.0)
+    return consensus_measures(X, valid).pairwise_cos
 
 
 def consensus_distance(X, valid):
     """mu(X) = ||X - 1 xbar^T||_F / ||X||_F over the valid tokens (0 at consensus)."""
-    return _frobenius_ratio(*_masked(X, valid)[::-1])
+    return consensus_measures(X, valid).consensus
 
 
 def rank_collapse_residual(X, valid):
     """Relative residual sqrt(||R||_1 ||R||_inf / (||X||_1 ||X||_inf)), R = X - 1 xbar^T."""
-    return _ratio_1inf(*_masked(X, valid)[::-1])
-
-
-def consensus_measures(X, valid) -> Consensus:
-    """All three consensus measures of one state, sharing the masked, scaled residual."""
-    Xw, R = _masked(X, valid)
-    return Consensus(consensus=_frobenius_ratio(R, Xw), rank_collapse=_ratio_1inf(R, Xw),
-                     pairwise_cos=mean_pairwise_cosine(X, valid))
+    return consensus_measures(X, valid).rank_collapse

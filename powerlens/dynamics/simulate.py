@@ -18,8 +18,8 @@ from flax import struct
 from .attention import check_attention, fused_qkv
 from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
-from .observers import alignment, consensus, final, finite, states
-from .run import run
+from .observers import alignment, consensus, final, finite, rotation_planes, states
+from .run import measure_after_pays, run
 from .subspaces import REFERENCES, Subspaces, reference_index
 
 
@@ -65,7 +65,8 @@ class Trajectory:
 def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] | None" = None,
              rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
              save_states: bool = False, schedule: "int[T] | None" = None,
-             positions: "int[n] | None" = None, qkv=None) -> Trajectory:
+             positions: "int[n] | None" = None, qkv=None, measure_after: bool = False,
+             planes: "bool[U] | None" = None) -> Trajectory:
     """Iterate ``layers`` over its schedule from x0 and measure. Pure; jit/vmap it.
 
     Args:
@@ -78,14 +79,17 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
       rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
       save_states: also return all states "float[T+1 n d]".
       qkv: the fused q/k/v weight of ``layers``, when precomputed (see :func:`~powerlens.dynamics.run`).
+      measure_after: measure all states after the scan (same numbers; see :func:`~powerlens.dynamics.run`).
+      planes: :func:`~powerlens.dynamics.observers.rotation_planes` of ``subspaces`` and ``layers``,
+        when precomputed (else computed here).
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    observers = {"alignment": alignment(subspaces), "consensus": consensus(), "finite": finite(), "final": final()}
+    observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(), "finite": finite(), "final": final()}
     if save_states:
         observers["states"] = states()
     out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
-              positions=positions, schedule=schedule, qkv=qkv)
+              positions=positions, schedule=schedule, qkv=qkv, measure_after=measure_after)
     a, c = out["alignment"], out["consensus"]
     return Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
                       consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
@@ -93,13 +97,13 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
                       finite=out["finite"], references=subspaces.names)
 
 
-_STATIC = ("rule", "attention", "keep_bias", "save_states")
+_STATIC = ("rule", "attention", "keep_bias", "save_states", "measure_after")
 simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
-def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, qkv=None, **kw):
+def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, qkv=None, planes=None, **kw):
     f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, qkv=qkv,
-                              **kw)
+                              planes=planes, **kw)
     return jax.vmap(f)(X0, valid)
 
 
@@ -113,17 +117,21 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]":
     every field of the :class:`Trajectory` gets a leading axis B.
 
-    Validates the inputs (clear errors, never a silent NaN) and runs jit-compiled.
+    Validates the inputs (clear errors, never a silent NaN) and runs jit-compiled; small
+    batches are measured after the scan (:func:`~powerlens.dynamics.run.measure_after_pays`).
     """
     check_rule(rule)
     check_attention(attention)
     X0, valid = check_batch(X0, valid, layers.config.d_model)
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
-    dtype = layers.W_v.dtype
+    dtype = np.dtype(layers.W_v.dtype)
+    T = len(layers.schedule) if schedule is None else schedule.shape[0]
+    B, n, d = X0.shape
     return simulate_batch_jit(layers, np.asarray(X0, dtype), subspaces, valid, positions,
-                              schedule, fused_qkv(layers, attention), rule=rule, attention=attention,
-                              keep_bias=keep_bias, save_states=save_states)
+                              schedule, fused_qkv(layers, attention), rotation_planes(subspaces, layers),
+                              rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
+                              measure_after=measure_after_pays(B, T, n, d, dtype.itemsize))
 
 
 def pooled(traj: Trajectory) -> dict:

@@ -22,16 +22,9 @@ from typing import Callable, Dict
 import jax
 import jax.numpy as jnp
 
-from ..dynamics.observers import Observer, alignment, consensus, final
+from ..dynamics.observers import alignment, consensus, final, per_state
 from ..dynamics.run import run
 from .systems import Static, Systems
-
-
-def per_state(fn: Callable) -> Observer:
-    """An observer of ``fn(X, valid)`` on every state x_0 .. x_T (outputs stacked: T+1 first)."""
-    return Observer(init=lambda x0, valid, layers: fn(x0, valid),
-                    update=lambda first, X, Y, step: (first, fn(Y, step.valid)),
-                    finish=lambda first, outs: jnp.concatenate([first[None], outs]))
 
 
 def mean_tangent(basis: "float[d k]") -> Callable:
