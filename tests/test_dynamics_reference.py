@@ -348,7 +348,8 @@ def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
     assert calls == ["update"]
     np.testing.assert_allclose(np.asarray(mixed["final"]), np.asarray(inside["final"]), atol=2e-6)
     # the rule simulate_batch follows: bytes of all prompts' states against the bound
-    assert measure_after_pays(1, 5, 7, 8, 4) and not measure_after_pays(2, 2 ** 20, 1, 1, 4)
+    assert measure_after_pays(layers, x0[None], sched_arr)
+    assert not measure_after_pays(layers, np.zeros((2, 2 ** 20, 1), np.float32), sched_arr)
     sim = importlib.import_module("powerlens.dynamics.simulate")
     seen = []
     real = sim.simulate_batch_jit

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from .cache import per_arrays
 from .measures import consensus_measures, masked_mean, unit_rows, wrap_angle
 from .params import layer_factors
-from .cache import per_arrays
 from .subspaces import Subspaces, reference_index
 
 
@@ -130,7 +130,8 @@ def rotation_planes(subspaces: Subspaces, layers, *, rotation_in: str = "princip
     return per_arrays(f"planes{p}", arrays, lambda: _planes_jit(subspaces, layers, p))
 
 
-def alignment(subspaces: Subspaces, *, rotation_in: str = "principal", planes: "bool[U] | None" = None) -> Observer:
+def alignment(subspaces: Subspaces, *, rotation_in: str = "principal",
+              planes: "bool[U] | None" = None) -> Observer:
     """gamma, gamma_before, rho against every reference and the rotation (see :class:`Alignment`).
 
     ``planes``: :func:`rotation_planes` of these subspaces and the layers run, when computed
@@ -196,7 +197,7 @@ def alignment(subspaces: Subspaces, *, rotation_in: str = "principal", planes: "
             g, a = jax.vmap(project, (0, None))(S, 0)
             cut = lambda lo, hi: jax.tree_util.tree_map(lambda z: z[lo:hi], (g, a))
             before, after = cut(0, -1), cut(1, None)
-        else:                                                           # x_t on layers s_{t-1} and s_t
+        else:                                       # x_t and x_{t+1} on the bases of step t's layer
             S1 = jax.vmap(unit_rows)(S)
             before = jax.vmap(project_unit)(S1[:-1], schedule)
             after = jax.vmap(project_unit)(S1[1:], schedule)

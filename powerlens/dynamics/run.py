@@ -110,9 +110,13 @@ this many bytes. Measured on this project's 2-core CPU, every measure on: MiniLM
 8 x 128 (11 MiB) 58 -> 81 ms: past a few MiB the per-step kernels are large enough already."""
 
 
-def measure_after_pays(B: int, T: int, n: int, d: int, itemsize: int) -> bool:
-    """Whether ``measure_after`` pays for B prompts of n tokens, d wide, over T steps."""
-    return B * (T + 1) * n * d * itemsize <= MEASURE_AFTER_BYTES
+def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | None" = None) -> bool:
+    """Whether ``measure_after`` pays for the prompts X0 run through ``layers`` (over
+    ``schedule``, default the layers' own): all their states, (T+1) B n d numbers of the
+    layers' dtype, fit in :data:`MEASURE_AFTER_BYTES`."""
+    T = len(layers.schedule) if schedule is None else np.shape(schedule)[0]
+    B, n, d = np.shape(X0)
+    return B * (T + 1) * n * d * np.dtype(layers.W_v.dtype).itemsize <= MEASURE_AFTER_BYTES
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe", "steps_first",
@@ -150,12 +154,10 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     X0, valid = check_batch(X0, valid, layers.config.d_model)
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
-    T = len(layers.schedule) if schedule is None else schedule.shape[0]
-    dtype = np.dtype(layers.W_v.dtype)
-    after = (any(o in ("consensus", "finite") for o in observe)      # states and final: nothing to defer
-             and measure_after_pays(X0.shape[0], T, X0.shape[1], X0.shape[2], dtype.itemsize))
+    # states and final alone: nothing to measure after
+    after = any(o in ("consensus", "finite") for o in observe) and measure_after_pays(layers, X0, schedule)
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
-    return _run_batch(layers, np.asarray(X0, dtype), valid, positions, schedule,
+    return _run_batch(layers, np.asarray(X0, layers.W_v.dtype), valid, positions, schedule,
                       fused_qkv(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after)

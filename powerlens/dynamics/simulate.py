@@ -85,7 +85,8 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(), "finite": finite(), "final": final()}
+    observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(), "finite": finite(),
+                 "final": final()}
     if save_states:
         observers["states"] = states()
     out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
@@ -125,13 +126,10 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     X0, valid = check_batch(X0, valid, layers.config.d_model)
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
-    dtype = np.dtype(layers.W_v.dtype)
-    T = len(layers.schedule) if schedule is None else schedule.shape[0]
-    B, n, d = X0.shape
-    return simulate_batch_jit(layers, np.asarray(X0, dtype), subspaces, valid, positions,
+    return simulate_batch_jit(layers, np.asarray(X0, layers.W_v.dtype), subspaces, valid, positions,
                               schedule, fused_qkv(layers, attention), rotation_planes(subspaces, layers),
                               rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
-                              measure_after=measure_after_pays(B, T, n, d, dtype.itemsize))
+                              measure_after=measure_after_pays(layers, X0, schedule))
 
 
 def pooled(traj: Trajectory) -> dict:
