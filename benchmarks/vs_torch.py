@@ -82,9 +82,10 @@ def best_of_each(fns, repeat: int) -> dict:
     """{name: best time} of the calls ``fns`` {name: fn}, timed in turns of blocks (a a a, b b b,
     a a a, ...; :data:`BLOCK_SECONDS`) so that the machine's slow and fast phases fall on every
     side of a ratio alike; each at least ``repeat`` times and until :data:`MIN_SECONDS` is
-    spent on it (at most 200 samples). Blocks, not single calls: right after the other framework ran, a JAX call
-    finds XLA's worker threads asleep (MiniLM 4 x 32: 7.3-8.0 ms in a block, 8.9-10.6 ms
-    alternating call by call with torch), which a user's loop of JAX calls never sees."""
+    spent on it (at most 200 samples). Blocks, not single calls: right after the other
+    framework ran, a JAX call finds XLA's worker threads asleep (MiniLM 4 x 32: 7.3-8.0 ms in a
+    block, 8.9-10.6 ms alternating call by call with torch), which a user's loop of JAX calls
+    never sees."""
     for fn in fns.values():
         fn()                                    # warm-up (compiles)
     times = {name: [] for name in fns}
@@ -104,6 +105,12 @@ def best_of(fn, repeat: int) -> float:
     return best_of_each({"one": fn}, repeat)["one"]
 
 
+def best_of_pair(ours, theirs, repeat: int):
+    """(best time of ``ours``, best time of ``theirs``), timed in turns (:func:`best_of_each`)."""
+    t = best_of_each({"ours": ours, "theirs": theirs}, repeat)
+    return t["ours"], t["theirs"]
+
+
 def jax_call(f):
     return lambda: jax.block_until_ready(f())
 
@@ -114,8 +121,7 @@ def matmul_rates(repeat: int):
     ja = jnp.asarray(a)
     mm = jax.jit(lambda x: x @ x)
     ta = torch.from_numpy(a)
-    t = best_of_each({"jax": jax_call(lambda: mm(ja)), "torch": lambda: ta @ ta}, repeat)
-    tj, tt = t["jax"], t["torch"]
+    tj, tt = best_of_pair(jax_call(lambda: mm(ja)), lambda: ta @ ta, repeat)
     flops = 2 * n ** 3
     return flops / tj / 1e9, flops / tt / 1e9
 
@@ -322,9 +328,7 @@ def workload_b(model, steps, repeat, report):
     def t_torch():
         with torch.inference_mode():
             torch_run(cfg, params, [0] * steps, tx, tv, "paper")
-    t = best_of_each({"pl": jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), "torch": t_torch},
-                     repeat)
-    t_pl, t_t = t["pl"], t["torch"]
+    t_pl, t_t = best_of_pair(jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), t_torch, repeat)
     report(dict(workload="B", model="minilm layer 3", size="1x32", rule="paper", what=f"T={steps}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -418,8 +422,7 @@ def workload_d(S, T, repeat, report):
     def t_torch():
         with torch.inference_mode():
             torch_sweep()
-    t = best_of_each({"pl": jax_call(lambda: run(stacked, X0, subs)), "torch": t_torch}, repeat)
-    t_pl, t_t = t["pl"], t["torch"]
+    t_pl, t_t = best_of_pair(jax_call(lambda: run(stacked, X0, subs)), t_torch, repeat)
     report(dict(workload="D", model=f"{S} synthetic systems", size=f"{S}x{n}", rule="paper", what=f"T={T}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -664,8 +667,7 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     self_cmp = compare_steering(ours, ours64)
     cmp.update(f64_hist_rel_max=history_rel(ours64s, theirs64s), f64_steps=short["steps"],
                self_rel_median=self_cmp["norm_rel_median"], self_rel_max=self_cmp["norm_rel_max"])
-    t = best_of_each({"pl": jax_call(solve), "torch": lambda: torch_steer(*targs, **c)}, repeat)
-    t_pl, t_t = t["pl"], t["torch"]
+    t_pl, t_t = best_of_pair(jax_call(solve), lambda: torch_steer(*targs, **c), repeat)
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"solve {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
     # end to end: the public API against the torch user's whole pipeline
@@ -685,8 +687,7 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     a_ours = {k: getattr(res, k) for k in ("norm", "alignment", "feasible", "closed_norm", "closed_alignment")}
     a_theirs = {k: v.numpy() for k, v in torch_api().items()}
     cmp = compare_steering(a_ours, a_theirs)
-    t = best_of_each({"pl": lambda: api().norm, "torch": torch_api}, repeat)
-    t_pl, t_t = t["pl"], t["torch"]
+    t_pl, t_t = best_of_pair(lambda: api().norm, torch_api, repeat)
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"api {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
 
