@@ -115,6 +115,15 @@ def jax_call(f):
     return lambda: jax.block_until_ready(f())
 
 
+def paper_flops(cfg, steps: int, B: int, n: int) -> float:
+    """The matmul FLOPs of ``steps`` paper-rule layers on B prompts of n tokens: the fused q/k/v
+    projection 2 n d (H + 2G) e, the scores and the value mix 2 H n^2 e each (every key, as
+    dense attention computes them), the output projection 2 n H e d."""
+    d, H, G, e = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    per_prompt = 2 * n * d * (H + 2 * G) * e + 2 * 2 * H * n * n * e + 2 * n * H * e * d
+    return float(steps * B * per_prompt)
+
+
 def matmul_rates(repeat: int):
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), np.float32)
@@ -379,7 +388,8 @@ def workload_c(model, repeat, report):
         return W.grad
     gt = torch_grad().numpy()
     variants = (("grad W_o", gj, grad), ("grad W_o whole scan", gj_scan, grad_scan))
-    t = best_of_each({"torch": torch_grad, **{what: jax_call(lambda f=f: f(L.W_o[-1], L, jx))
+    W_last = L.W_o[-1]            # the parameter held once, as JAX code does (torch's clone is per call)
+    t = best_of_each({"torch": torch_grad, **{what: jax_call(lambda f=f: f(W_last, L, jx))
                                                for what, _, f in variants}}, repeat)
     for what, g, f in variants:
         err = float(np.max(np.abs(g - gt)) / np.max(np.abs(gt)))
@@ -712,6 +722,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the small configuration the test suite runs")
     ap.add_argument("--only", default="A,B,C,D,E", help="workloads to run, comma separated")
+    ap.add_argument("--models", default="minilm,smollm2", help="workload A's models, comma separated")
+    ap.add_argument("--sizes", default="", help="workload A's prompts x tokens, e.g. 8x128,1x16 (default: all)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile attempt")
     ap.add_argument("--torch-threads", type=int, default=0,
@@ -742,9 +754,22 @@ def main(argv=None):
     else:
         sizes = {"*": [(1, 16), (8, 128), (32, 128), (8, 512)],
                  "smollm2": [(1, 16), (8, 128), (32, 128), (8, 512), (1, 2048)]}
-        models = {"minilm": minilm, "smollm2": pl.load("smollm2")}
+        models = {name: minilm if name == "minilm" else pl.load(name) for name in args.models.split(",")}
+    if args.sizes:
+        sizes = {"*": [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]}
     if "A" in only:
         workload_a(models, sizes, args.repeat, report)
+        gj_after, _ = matmul_rates(1 if args.tiny else 3)
+        ceiling = max(gj, gj_after)             # the faster of the two: the stricter fraction
+        print(f"matmul 2048^3 float32 after A: jax {gj_after:.0f} GFLOP/s; the rates below are "
+              f"against {ceiling:.0f}")
+        for x in lines:
+            if x.get("what") == "states" and x.get("rule") == "paper":
+                B, n = (int(v) for v in x["size"].split("x"))
+                cfg = models[x["model"]].layers.config
+                rate = paper_flops(cfg, len(models[x["model"]].layers.schedule), B, n) / x["powerlens_s"] / 1e9
+                print(f"A {x['model']} {x['size']} paper states: {rate:.0f} GFLOP/s, "
+                      f"{100 * rate / ceiling:.0f} % of the large matmul", flush=True)
         if not args.tiny and not args.no_compile:
             try_compile(minilm, report)
     if "B" in only:

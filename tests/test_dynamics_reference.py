@@ -299,7 +299,7 @@ def test_fused_qkv_cached_per_weights_never_stale(sys_causal):
     np.testing.assert_array_equal(np.asarray(run_batch(layers, X0, V)["final"]), np.asarray(inside))
     other = layers.replace(W_q=layers.W_q * 2)
     assert fused_qkv(other) is not fused
-    np.testing.assert_allclose(np.asarray(fused_qkv(other)[:, :4 * 4]), 2 * np.asarray(fused[:, :4 * 4]))
+    np.testing.assert_allclose(np.asarray(fused_qkv(other)[..., :4 * 4]), 2 * np.asarray(fused[..., :4 * 4]))
     ref = R.simulate_layers(other, x0, reference_subspaces(layer_spectra(layer_matrices(other)), seed=1),
                             valid=valid, rule="paper", attention="softmax")
     got = np.asarray(run_batch(other, X0, V)["final"])[0][valid]

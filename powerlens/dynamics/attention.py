@@ -91,14 +91,16 @@ def dense_softmax_mix(lp, q, k, v, bias):
     cap = lp.config.attn_softcap
     H, m, e = q.shape
     G = k.shape[0]
-    qg = q.reshape(G, H // G, m, e)
+    # r = H / G query heads per key head; with r = 1 the group axis is left out, since a
+    # size-1 axis in the scores made XLA copy them to another layout (6 MB a layer at 8 x 128)
+    qg, sub = (q, "h") if G == H else (q.reshape(G, H // G, m, e), "gr")
     if cap is None:
-        s = jnp.einsum("grme,gje->grmj", qg * jnp.asarray(lp.scale, q.dtype), k)
+        s = jnp.einsum(f"{sub}me,{sub[0]}je->{sub}mj", qg * jnp.asarray(lp.scale, q.dtype), k)
     else:
-        s = cap * jnp.tanh(lp.scale * jnp.einsum("grme,gje->grmj", qg, k) / cap)
+        s = cap * jnp.tanh(lp.scale * jnp.einsum(f"{sub}me,{sub[0]}je->{sub}mj", qg, k) / cap)
     s = s + bias
     P = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
-    M = jnp.einsum("grmj,gje->grme", P, v) / jnp.sum(P, axis=-1, keepdims=True)
+    M = jnp.einsum(f"{sub}mj,{sub[0]}je->{sub}me", P, v) / jnp.sum(P, axis=-1, keepdims=True)
     return M.reshape(H, m, e)
 
 
@@ -136,14 +138,17 @@ MAX_UNROLLED = 32
 
 
 def qkv_weight(layers):
-    """W_q, W_k, W_v stacked for one fused projection: "float[(H+2G)e d]" for one layer, or
-    "float[U (H+2G)e d]" for stacked layers (built once per unique layer by ``run``)."""
+    """W_q, W_k, W_v stacked and transposed for one fused projection X @ qkv:
+    "float[d (H+2G)e]" for one layer, or "float[U d (H+2G)e]" for stacked layers (built once
+    per unique layer by ``run``). Stored (d, out), a plain X @ W matmul: for few tokens it was
+    faster than X @ W^T from the (out, d) rows (MiniLM's 1,000-step shared layer on 32 tokens,
+    timed in turns in one process: 427 against 450 ms; 16 x 576 x 960: 100 against 137 us)."""
     return _stack_qkv(layers.W_q, layers.W_k, layers.W_v)
 
 
 def _stack_qkv(W_q, W_k, W_v):
     flat = lambda a: a.reshape(a.shape[:-3] + (-1, a.shape[-1]))
-    return jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2)
+    return jnp.swapaxes(jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2), -1, -2)
 
 
 _stack_qkv_jit = jax.jit(_stack_qkv)
@@ -166,23 +171,23 @@ def fused_qkv(layers, attention: str = "softmax"):
 
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):
-    """q "float[n H e]" and k, v "float[n G e]" of one layer from one fused projection
-    X @ qkv^T, with the q/k biases, then the per-head q/k norm (over e, of the config's norm
-    kind, when the layer has one), then RoPE."""
+    """Head-major q "float[H n e]" and k, v "float[G n e]" of one layer from one fused
+    projection X @ qkv (made head-major by one transpose of all three), with the q/k
+    biases, then the per-head q/k norm (over e, of the config's norm kind, when the layer has
+    one), then RoPE."""
     cfg = lp.config
     if lp.W_q is None or lp.W_k is None:
         raise ValueError("softmax attention needs W_q and W_k, and this system has none: "
                          "use attention='uniform' or 'identity'")
     n = X.shape[0]
     H, G, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    Z = X @ (qkv_weight(lp) if qkv is None else qkv).T                  # (n, (H + 2G) e)
-    q = Z[:, :H * e].reshape(n, H, e)
-    k = Z[:, H * e:(H + G) * e].reshape(n, G, e)
-    v = Z[:, (H + G) * e:].reshape(n, G, e)
+    Z = X @ (qkv_weight(lp) if qkv is None else qkv)                  # (n, (H + 2G) e)
+    Z = jnp.swapaxes(Z.reshape(n, H + 2 * G, e), 0, 1)                  # (H + 2G, n, e)
+    q, k, v = Z[:H], Z[H:H + G], Z[H + G:]
     if lp.b_q is not None:
-        q = q + lp.b_q
+        q = q + lp.b_q[:, None]
     if lp.b_k is not None:
-        k = k + lp.b_k
+        k = k + lp.b_k[:, None]
     if lp.q_norm_scale is not None:                  # the config's norm kind: RMSNorm, or Phi's LayerNorm
         q = apply_norm(cfg.norm, q, lp.q_norm_scale, lp.q_norm_bias, cfg.norm_eps)
     if lp.k_norm_scale is not None:
@@ -191,9 +196,7 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
         if positions is None:
             positions = jnp.arange(n)
         theta = cfg.rope_theta if lp.rope_base is None else lp.rope_base
-        rope = lambda t: jnp.swapaxes(apply_rope(jnp.swapaxes(t, 0, 1), positions, theta,
-                                                 cfg.rope_dim), 0, 1)
-        q, k = rope(q), rope(k)
+        q, k = (apply_rope(t, positions, theta, cfg.rope_dim) for t in (q, k))
     return q, k, v
 
 
@@ -215,7 +218,8 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
 
     ``qkv``: the fused weight of :func:`qkv_weight`, precomputed by loops that reuse it.
     q, k, v are made head-major "float[H n e]" (the layout XLA runs fastest: an einsum over
-    the token-major arrays inserts a transpose per operand; query blocks keep grouped-query
+    the token-major arrays inserts a transpose per operand, and was 17 % slower for one MiniLM
+    layer at 8 x 128 tokens; :func:`_softmax_qkv`); query blocks keep grouped-query
     keys and values as their G heads, the other schedules repeat them to H), then, by
     ``config.attention_block``:
 
@@ -225,18 +229,18 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
       k > 0           the online softmax over blocks of k keys of
                       :func:`powerlens.dynamics.blocked.blocked_attention_mix`, "float[H n k]" at a time.
     """
-    q, k, v = _softmax_qkv(lp, X, positions, qkv)
+    q, k, v = _softmax_qkv(lp, X, positions, qkv)                       # (H, n, e), (G, n, e)
     n, setting, r = X.shape[0], lp.config.attention_block, lp.config.kv_group
     qblock = QUERY_BLOCK if setting is None and n > BLOCKED_ABOVE else n
     if r > 1 and (setting or qblock == n):
         # key blocks, and one dense block, read the keys and values repeated to the H query heads:
         # dense, that was faster than grouped matmuls (SmolLM2's 9 heads over 3, 8 x 128 tokens:
         # 3.3 ms against 4.6-6.2 ms); query blocks read them grouped (8 x 512: 42 ms against 76 ms)
-        k, v = (jnp.repeat(t, r, axis=1) for t in (k, v))
+        k, v = (jnp.repeat(t, r, axis=0) for t in (k, v))
     if setting:                                                         # k > 0: key blocks
+        q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))            # token-major (n, H, e)
         return blocked_attention_mix(q, k, v, valid, scale=lp.scale, causal=lp.config.causal, window=lp.window,
                                      cap=lp.config.attn_softcap, block=int(setting))
-    q, k, v = (jnp.swapaxes(t, 0, 1) for t in (q, k, v))                # (H, n, e), (G or H, n, e)
     return jnp.swapaxes(query_blocked_mix(lp, q, k, v, valid, qblock), 0, 1)
 
 

@@ -34,7 +34,7 @@ from .params import Layers
 def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str, attention: str,
         observers: Mapping[str, Observer], keep_bias: Optional[bool] = None,
         positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
-        qkv: "float[U (H+2G)e d] | None" = None, measure_after: bool = False) -> Dict[str, Any]:
+        qkv: "float[U d (H+2G)e] | None" = None, measure_after: bool = False) -> Dict[str, Any]:
     """Iterate ``layers`` from x0 and return ``{name: result}`` of every observer.
 
     Args:
@@ -73,7 +73,7 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
     qkv_all = None
     if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
-        qkv_all = qkv_weight(layers) if qkv is None else qkv            # (U, (H + 2G) e, d)
+        qkv_all = qkv_weight(layers) if qkv is None else qkv            # (U, d, (H + 2G) e)
     lp0 = layers.layer(0) if shared else None
     qkv0 = qkv_all[0] if shared and qkv_all is not None else None
     observers = dict(observers)
