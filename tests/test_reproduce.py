@@ -145,26 +145,35 @@ def test_bad_jobs_is_a_clear_error(jobs):
 
 
 def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
-    """reproduce runs its own XLA on one thread (set before the backend starts; the user's
-    XLA_FLAGS thread choice wins), and the workers start from the user's flags, not from that
-    one thread: fewer workers than cores keep XLA's threads, workers that fill them get one."""
+    """reproduce asks for its own XLA on one thread (set before the backend starts; the user's
+    XLA_FLAGS or POWERLENS_XLA_THREADS thread choice wins), and the workers start from the
+    user's environment, not from that one thread: fewer workers than cores keep XLA's threads,
+    workers that fill them get one."""
     from powerlens.reproduce import workers
-    from powerlens.sweeps.distributed import SINGLE_THREAD_XLA
-    monkeypatch.setattr(workers, "_USER_XLA_FLAGS", [])
+    from powerlens.sweeps.distributed import SINGLE_THREAD_XLA, XLA_THREADS
+    monkeypatch.setattr(workers, "_USER_ENV", [])
+    monkeypatch.delenv(XLA_THREADS, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
-    assert workers.single_threaded_main() and workers._USER_XLA_FLAGS == []      # the user's choice
+    assert workers.single_threaded_main() and workers._USER_ENV == []            # the user's choice
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    monkeypatch.setenv(XLA_THREADS, "0")
+    assert workers.single_threaded_main() and workers._USER_ENV == []            # theirs again
+    monkeypatch.delenv(XLA_THREADS)
     from jax._src import xla_bridge
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     assert workers.single_threaded_main()
     import os
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA
+    assert os.environ[XLA_THREADS] == "1"
     monkeypatch.setattr(workers, "cores", lambda: 8)
-    assert workers.worker_env(3)["XLA_FLAGS"] == "--xla_dump_hlo_as_text"
+    env = workers.worker_env(3)
+    assert env["XLA_FLAGS"] == "--xla_dump_hlo_as_text" and XLA_THREADS not in env
     monkeypatch.setattr(workers, "cores", lambda: 2)
     env = workers.worker_env(3)
     assert env["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA and env["OMP_NUM_THREADS"] == "1"
-    monkeypatch.setattr(workers, "_USER_XLA_FLAGS", [])
+    assert env[XLA_THREADS] == "1"
+    monkeypatch.setattr(workers, "_USER_ENV", [])
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
+    monkeypatch.delenv(XLA_THREADS)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     assert not workers.single_threaded_main()                  # too late: XLA keeps its threads

@@ -122,10 +122,54 @@ def test_settings_from_the_environment(monkeypatch):
 
 
 def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch):
-    from powerlens.sweeps.distributed import worker_env
+    from powerlens.sweeps.distributed import XLA_THREADS, worker_env
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    flags = worker_env(2, cores=2)["XLA_FLAGS"]
-    assert "--xla_cpu_multi_thread_eigen=false" in flags and "intra_op_parallelism_threads=1" in flags
-    assert "XLA_FLAGS" not in worker_env(2, cores=8)                       # fewer workers than cores: untouched
+    monkeypatch.delenv(XLA_THREADS, raising=False)
+    env = worker_env(2, cores=2)
+    assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false" and env[XLA_THREADS] == "1"
+    env = worker_env(2, cores=8)                                            # fewer workers than cores: untouched
+    assert "XLA_FLAGS" not in env and XLA_THREADS not in env
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
-    assert worker_env(4, cores=2)["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"   # the user's choice wins
+    env = worker_env(4, cores=2)
+    assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true" and XLA_THREADS not in env  # the user's choice wins
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv(XLA_THREADS, "0")
+    assert worker_env(4, cores=2)[XLA_THREADS] == "0" and "XLA_FLAGS" not in worker_env(4, cores=2)
+
+
+def test_start_xla_starts_the_backend_on_one_core_then_gives_the_cores_back(monkeypatch):
+    """jax 0.10 sizes its CPU thread pool from the affinity when the backend starts: start_xla
+    holds the process to one core exactly while jax.devices() starts it, then restores the set;
+    it does nothing unless asked, or once a backend has started."""
+    import jax
+    from jax._src import xla_bridge
+    from powerlens.sweeps import distributed
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    calls = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(("set", set(cpus))))
+    monkeypatch.setattr(jax, "devices", lambda: calls.append(("devices",)))
+    monkeypatch.setattr(distributed, "_threads", lambda: [0])
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    assert not distributed.start_xla({}) and calls == []                          # not asked
+    assert not distributed.start_xla({distributed.XLA_THREADS: "0"}) and calls == []
+    assert distributed.start_xla({distributed.XLA_THREADS: "1"})
+    assert calls == [("set", {0}), ("devices",), ("set", {0, 1, 2})]
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert not distributed.start_xla({distributed.XLA_THREADS: "1"})              # too late: threads kept
+
+
+def test_start_xla_in_a_fresh_process_keeps_every_core_for_the_os():
+    """In a real process: the backend has started, and every thread of it (XLA's too) may run on
+    all the process's cores."""
+    from powerlens.sweeps.distributed import XLA_THREADS
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    code = ("import os; from powerlens.sweeps.distributed import start_xla; from jax._src import xla_bridge; "
+            "before = os.sched_getaffinity(0); print(start_xla(), xla_bridge.backends_are_initialized(), "
+            "all(os.sched_getaffinity(int(t)) == before for t in os.listdir('/proc/self/task')))")
+    env = dict(os.environ, **{XLA_THREADS: "1"})
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"]

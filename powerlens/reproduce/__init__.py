@@ -130,6 +130,7 @@ def cmd_reproduce(args) -> int:
 
 def _reproduce_into(out: str, settings: dict, args) -> int:
     from .report import render_html, render_markdown
+    from ..sweeps.distributed import start_xla
     from .workers import model_workers, single_threaded_main
     single_threaded_main()        # False where JAX had started already (a Python session): XLA keeps its threads
     store = ChunkStore(out, settings)
@@ -139,6 +140,7 @@ def _reproduce_into(out: str, settings: dict, args) -> int:
         sections = [s for s in sections if any(k in s.__name__ for k in args.sections)]
     t0 = time.time()
     with model_workers(ctx, sections, settings, args.jobs):
+        start_xla()               # this process's XLA, on the one thread asked above, once the workers have forked
         results = run_sections(ctx, sections)
     full_settings = {**settings, "versions": io.versions()}
     doc = {"settings": settings, "sections": [r.to_json() for r in results]}

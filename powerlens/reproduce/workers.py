@@ -31,15 +31,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 def worker_env(n: int) -> dict:
     """The workers' environment: :func:`powerlens.sweeps.distributed.worker_env` (single-threaded
     XLA when the workers fill the cores), and single-threaded BLAS then too. It starts from the
-    user's XLA_FLAGS, not from the one thread :func:`single_threaded_main` gave this process."""
+    user's environment, not from the one thread :func:`single_threaded_main` gave this process."""
     from ..sweeps.distributed import worker_env as xla_env
     base = dict(os.environ)
-    if _USER_XLA_FLAGS:
-        user = _USER_XLA_FLAGS[0]
-        if user is None:
-            base.pop("XLA_FLAGS", None)
-        else:
-            base["XLA_FLAGS"] = user
+    if _USER_ENV:
+        for key, value in _USER_ENV[0].items():
+            if value is None:
+                base.pop(key, None)
+            else:
+                base[key] = value
     env = xla_env(n, cores(), base)
     if env.get("XLA_FLAGS") != base.get("XLA_FLAGS"):
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -47,27 +47,30 @@ def worker_env(n: int) -> dict:
     return env
 
 
-_USER_XLA_FLAGS: List[Optional[str]] = []      # XLA_FLAGS before single_threaded_main changed them
+_USER_ENV: List[Dict[str, Optional[str]]] = []    # XLA_FLAGS and XLA_THREADS before single_threaded_main
 
 
 def single_threaded_main() -> bool:
-    """Run this process's XLA on one thread (``XLA_FLAGS`` += ``SINGLE_THREAD_XLA``) before its
-    CPU backend starts. True when that took effect (or the user's XLA_FLAGS already choose the
-    threads, which then win); False when a backend had already started.
+    """Ask for this process's XLA on one thread before its CPU backend starts: ``XLA_FLAGS`` +=
+    ``SINGLE_THREAD_XLA`` and ``XLA_THREADS`` = 1, which :func:`~powerlens.sweeps.distributed.start_xla`
+    acts on once the workers have started (``reproduce`` calls it then). True when that is
+    set (or the user's XLA_FLAGS or XLA_THREADS already choose the threads, which then win);
+    False when a backend had already started.
 
     The numbers of sections 1-4 depend, in the last bits, on XLA's thread settings (the model
     sections do not), so the same setting everywhere makes results.json the same bytes
     whatever ``--jobs`` and whatever the machine's cores; and while the workers keep the cores
     busy, threads here would only compete with them."""
-    from ..sweeps.distributed import SINGLE_THREAD_XLA, chooses_threads
+    from ..sweeps.distributed import SINGLE_THREAD_XLA, XLA_THREADS, chooses_threads
     flags = os.environ.get("XLA_FLAGS")
-    if _USER_XLA_FLAGS or chooses_threads(flags or ""):
+    if _USER_ENV or chooses_threads(flags or "", os.environ):
         return True
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
         return False
-    _USER_XLA_FLAGS.append(flags)
+    _USER_ENV.append({"XLA_FLAGS": flags, XLA_THREADS: None})
     os.environ["XLA_FLAGS"] = ((flags or "") + " " + SINGLE_THREAD_XLA).strip()
+    os.environ[XLA_THREADS] = "1"
     return True
 
 
@@ -122,8 +125,10 @@ def chunks_of(ctx, sections: Sequence[Callable], name: str) -> List[tuple]:
 def _compute_model(out: str, settings: dict, quick: bool, seed: int, models: List[str], section_names: List[str],
                    name: str) -> List[str]:
     """Worker: compute the missing chunks of ``name``; returns the keys it computed."""
+    from ..sweeps.distributed import start_xla
     from . import Context, all_sections
     from .store import ChunkStore
+    start_xla()                      # one XLA thread when worker_env asked for it (the workers fill the cores)
     store = ChunkStore(out, settings)
     ctx = Context(out=out, store=store, quick=quick, seed=seed, models=models, show_progress=False)
     sections = [s for s in all_sections() if s.__name__ in section_names]

@@ -106,6 +106,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
         kw = {"local_device_ids": []} if per_node == "1" else {}
         jax.distributed.initialize(initialization_timeout=int(timeout), **kw)
+        start_xla()
         return True
     n, i, address = int(settings["num_processes"]), int(settings["process_id"]), settings["coordinator"]
     if n < 1 or not 0 <= i < n:
@@ -118,6 +119,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     else:
         left = wait_for_coordinator(address, timeout)
     jax.distributed.initialize(address, n, i, initialization_timeout=max(int(left), 1))
+    start_xla()                                 # after jax.distributed: one thread when worker_env asked
     return True
 
 
@@ -127,33 +129,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-"""The XLA_FLAGS that run XLA's CPU backend on one thread."""
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
+"""The XLA_FLAGS that turn off Eigen's intra-op threads: all of XLA's CPU threads in older
+jaxlibs, only some in jax 0.10, whose backend sizes its thread pool (XNNPACK's, which runs the
+dots) from the process's CPU affinity when it starts: :func:`start_xla` does that part."""
+
+XLA_THREADS = "POWERLENS_XLA_THREADS"
+"""The environment variable that asks :func:`start_xla` for one XLA thread ("1")."""
 
 
-def chooses_threads(flags: str) -> bool:
-    """Whether XLA_FLAGS ``flags`` already set XLA's CPU threads (the user's choice wins)."""
-    return "multi_thread_eigen" in flags or "intra_op_parallelism_threads" in flags
+def chooses_threads(flags: str, env: Optional[dict] = None) -> bool:
+    """Whether XLA_FLAGS ``flags``, or :data:`XLA_THREADS` in ``env``, already set XLA's CPU
+    threads (the user's choice wins)."""
+    return "multi_thread_eigen" in flags or XLA_THREADS in (env or {})
 
 
 def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None) -> dict:
     """The environment of N local workers on one CPU host: with N >= the cores, each worker's
-    XLA runs single-threaded (``--xla_cpu_multi_thread_eigen=false
-    intra_op_parallelism_threads=1``), else every worker's thread pool would span all the
-    cores and N workers would only share them (measured: 2 workers on 2 cores were no faster
-    than one process; single-threaded, 1.77x). Flags the user set in ``XLA_FLAGS`` are kept
-    and win; the numbers do not change (each system's program is the same). ``base``: the
-    environment to start from (default ``os.environ``).
-
-    With jax 0.10 these flags turn off Eigen's intra-op threads, not every thread: a large
-    dot (2000 x 2000) still runs on all the cores with them (measured: the same CPU time and
-    wall time either way). The many small ops of a sweep are what they make single-threaded."""
+    XLA runs single-threaded (:data:`SINGLE_THREAD_XLA` and :data:`XLA_THREADS` = 1, which
+    :func:`start_xla` reads), else every worker's thread pool would span all the cores and N
+    workers would only share them (measured with jax 0.4: 2 workers on 2 cores were no faster
+    than one process; single-threaded, 1.77x). The user's XLA_FLAGS thread choice, or their
+    own :data:`XLA_THREADS`, win; the numbers do not change (each system's program is the
+    same). ``base``: the environment to start from (default ``os.environ``)."""
     env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
     flags = env.get("XLA_FLAGS", "")
-    if n >= cores and not chooses_threads(flags):
+    if n >= cores and not chooses_threads(flags, env):
         env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
+        env[XLA_THREADS] = "1"
     return env
+
+
+def start_xla(env: Optional[dict] = None) -> bool:
+    """Start this process's JAX backend now, with one CPU thread when ``env`` (default
+    ``os.environ``) has :data:`XLA_THREADS` = 1. jax 0.10's CPU backend sizes its thread pool
+    from the CPU affinity at the moment it starts, and ignores the XLA flags that used to set
+    it; so the process is held to one core while the backend starts, then every thread of it
+    is given all of its cores back (a thread keeps the affinity it was born with): its one XLA
+    thread then runs wherever the OS puts it. Measured on this
+    project's 2-core machine, a 2048^3 matmul: CPU time / wall time 1.00 after this, 1.95
+    with ``--xla_cpu_multi_thread_eigen=false`` alone.
+
+    Returns True when XLA now runs one thread by this call; False when not asked, when a
+    backend had already started (it keeps its threads), or where the OS has no CPU affinity
+    (macOS, Windows: XLA keeps its threads there)."""
+    env = os.environ if env is None else env
+    if env.get(XLA_THREADS) != "1" or not hasattr(os, "sched_setaffinity"):
+        return False
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        return False
+    import jax
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        jax.devices()
+    finally:
+        # every thread, not only this one: the backend's threads were born with the one core
+        for tid in _threads():
+            try:
+                os.sched_setaffinity(tid, allowed)
+            except OSError:                    # a thread that has ended since
+                pass
+    return True
+
+
+def _threads() -> List[int]:
+    """This process's thread ids (Linux: /proc/self/task; else this thread only, as 0)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def spawn(argv: Sequence[str], n: int, *, quiet_others: bool = True) -> int:
