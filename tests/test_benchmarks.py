@@ -26,19 +26,6 @@ def test_tiny_configuration_agrees_with_torch(capsys):
     assert "matmul 2048^3" in out
     rates = [ln for ln in out.splitlines() if ln.endswith("% of the large matmul")]
     assert len(rates) == 2 and all(ln.startswith("A minilm ") for ln in rates)     # 1x16 and 2x8
-
-
-def test_paper_flops_counts_the_four_matmuls():
-    """The FLOPs behind the printed matmul rate, against the count by hand: MiniLM at 8 x 128
-    (6 layers of 12 heads of 32, d = 384) 8.46 GFLOP; SmolLM2 (30 layers, d = 576, 9 query
-    heads over 3 key/value heads of 64) 63.4 GFLOP."""
-    import vs_torch
-    from powerlens.dynamics.params import LayerConfig
-    minilm = LayerConfig(d_model=384, n_heads=12, d_head=32)
-    qkv, scores_and_mix, out = 2 * 128 * 384 * 1152, 2 * 2 * 12 * 128 * 128 * 32, 2 * 128 * 384 * 384
-    assert vs_torch.paper_flops(minilm, 6, 8, 128) == 6 * 8 * (qkv + scores_and_mix + out) == 8_455_716_864
-    smollm2 = LayerConfig(d_model=576, n_heads=9, n_kv_heads=3, d_head=64)
-    assert vs_torch.paper_flops(smollm2, 30, 8, 128) == 63_417_876_480
     # E: the steering optimiser, the solve alone and end to end, each with a printed ratio
     e = {x["what"].split()[0]: x for x in lines if x["workload"] == "E"}
     assert set(e) == {"solve", "api"}
@@ -56,6 +43,19 @@ def test_paper_flops_counts_the_four_matmuls():
     # the same maths: float64 on both sides agrees to rounding over every step
     assert e["solve"]["f64_hist_rel_max"] < 1e-9, e["solve"]
     assert e["solve"]["norm_rel_max"] < 1e-3, e["solve"]
+
+
+def test_paper_flops_counts_the_four_matmuls():
+    """The FLOPs behind the printed matmul rate, against the count by hand: MiniLM at 8 x 128
+    (6 layers of 12 heads of 32, d = 384) 8.46 GFLOP; SmolLM2 (30 layers, d = 576, 9 query
+    heads over 3 key/value heads of 64) 63.4 GFLOP."""
+    import vs_torch
+    from powerlens.dynamics.params import LayerConfig
+    minilm = LayerConfig(d_model=384, n_heads=12, d_head=32)
+    qkv, scores_and_mix, out = 2 * 128 * 384 * 1152, 2 * 2 * 12 * 128 * 128 * 32, 2 * 128 * 384 * 384
+    assert vs_torch.paper_flops(minilm, 6, 8, 128) == 6 * 8 * (qkv + scores_and_mix + out) == 8_455_716_864
+    smollm2 = LayerConfig(d_model=576, n_heads=9, n_kv_heads=3, d_head=64)
+    assert vs_torch.paper_flops(smollm2, 30, 8, 128) == 63_417_876_480
 
 
 @pytest.mark.slow
