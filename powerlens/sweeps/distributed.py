@@ -162,14 +162,13 @@ def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None)
 
 
 def start_xla(env: Optional[dict] = None) -> bool:
-    """Start this process's JAX backend now, with one CPU thread when ``env`` (default
-    ``os.environ``) has :data:`XLA_THREADS` = 1. jax 0.10's CPU backend sizes its thread pool
-    from the CPU affinity at the moment it starts, and ignores the XLA flags that used to set
-    it; so the process is held to one core while the backend starts, then every thread of it
-    is given all of its cores back (a thread keeps the affinity it was born with): its one XLA
-    thread then runs wherever the OS puts it. Measured on this
-    project's 2-core machine, a 2048^3 matmul: CPU time / wall time 1.00 after this, 1.95
-    with ``--xla_cpu_multi_thread_eigen=false`` alone.
+    """When ``env`` (default ``os.environ``) has :data:`XLA_THREADS` = 1, start this process's
+    JAX backend now, on one CPU thread. jax 0.10's CPU backend sizes its thread pool from the
+    CPU affinity at the moment it starts, and ignores the XLA flags that used to set it; so the
+    process is held to one core while the backend starts, then every thread of it is given all
+    of its cores back (a thread keeps the affinity it was born with): the one XLA thread then
+    runs wherever the OS puts it. Measured on this project's 2-core machine, a 2048^3 matmul:
+    CPU time / wall time 1.00 after this, 1.95 with ``--xla_cpu_multi_thread_eigen=false``.
 
     Returns True when XLA now runs one thread by this call; False when not asked, when a
     backend had already started (it keeps its threads), or where the OS has no CPU affinity
