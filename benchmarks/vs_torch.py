@@ -40,6 +40,7 @@ line prints the powerlens / torch speed ratio (> 1: powerlens is faster).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -74,24 +75,32 @@ MIN_SECONDS = 0.5
 in a slow phase of it."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How each call is timed: at least ``repeat`` calls and ``min_seconds`` (:data:`MIN_SECONDS`;
+    0 in the test suite's ``--tiny`` run, which checks equality and times nothing to trust)."""
+    repeat: int = 3
+    min_seconds: float = MIN_SECONDS
+
+
 BLOCK_SECONDS = 0.1
 """:func:`best_of_each` times each call for a block of this many seconds, and at least two calls
 (the first after the other side's turn finds cold caches and sleeping threads), before the
 next call's turn."""
 
 
-def best_of_each(fns, repeat: int) -> dict:
+def best_of_each(fns, timing: Timing) -> dict:
     """{name: best time} of the calls ``fns`` {name: fn}, timed in turns of blocks (a a a, b b b,
     a a a, ...; :data:`BLOCK_SECONDS`) so that the machine's slow and fast phases fall on every
-    side of a ratio alike; each at least ``repeat`` times and until :data:`MIN_SECONDS` is
-    spent on it (at most 200 samples). Blocks, not single calls: right after the other
+    side of a ratio alike; each at least ``timing.repeat`` times and until ``timing.min_seconds``
+    are spent on it (at most 200 samples). Blocks, not single calls: right after the other
     framework ran, a JAX call finds XLA's worker threads asleep (MiniLM 4 x 32: 7.3-8.0 ms in a
     block, 8.9-10.6 ms alternating call by call with torch), which a user's loop of JAX calls
     never sees."""
     for fn in fns.values():
         fn()                                    # warm-up (compiles)
     times = {name: [] for name in fns}
-    more = lambda t: len(t) < repeat or (sum(t) < MIN_SECONDS and len(t) < 200)
+    more = lambda t: len(t) < timing.repeat or (sum(t) < timing.min_seconds and len(t) < 200)
     while any(more(t) for t in times.values()):
         for name, fn in fns.items():
             block, calls = 0.0, 0
@@ -103,13 +112,13 @@ def best_of_each(fns, repeat: int) -> dict:
     return {name: min(t) for name, t in times.items()}
 
 
-def best_of(fn, repeat: int) -> float:
-    return best_of_each({"one": fn}, repeat)["one"]
+def best_of(fn, timing: Timing) -> float:
+    return best_of_each({"one": fn}, timing)["one"]
 
 
-def best_of_pair(ours, theirs, repeat: int):
+def best_of_pair(ours, theirs, timing: Timing):
     """(best time of ``ours``, best time of ``theirs``), timed in turns (:func:`best_of_each`)."""
-    t = best_of_each({"ours": ours, "theirs": theirs}, repeat)
+    t = best_of_each({"ours": ours, "theirs": theirs}, timing)
     return t["ours"], t["theirs"]
 
 
@@ -126,13 +135,13 @@ def paper_flops(cfg, steps: int, B: int, n: int) -> float:
     return float(steps * B * per_prompt)
 
 
-def matmul_rates(repeat: int):
+def matmul_rates(timing: Timing):
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), np.float32)
     ja = jnp.asarray(a)
     mm = jax.jit(lambda x: x @ x)
     ta = torch.from_numpy(a)
-    tj, tt = best_of_pair(jax_call(lambda: mm(ja)), lambda: ta @ ta, repeat)
+    tj, tt = best_of_pair(jax_call(lambda: mm(ja)), lambda: ta @ ta, timing)
     flops = 2 * n ** 3
     return flops / tj / 1e9, flops / tt / 1e9
 
@@ -285,7 +294,7 @@ def prompts(model, B, n, seed=0):
     return np.array(x0), np.array(v)                                  # writable: torch.from_numpy
 
 
-def workload_a(models, sizes, repeat, report):
+def workload_a(models, sizes, timing, report):
     for name, model in models.items():
         L = model.layers
         cfg = L.config
@@ -315,7 +324,7 @@ def workload_a(models, sizes, repeat, report):
                 if rule == "paper":                  # every measure; timed in turns with the states
                     fns.update(pl_meas=jax_call(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid,
                                                                           rule=rule)), torch_meas=t_meas)
-                t = best_of_each(fns, repeat)
+                t = best_of_each(fns, timing)
                 report(dict(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
                             powerlens_s=t["pl"], torch_s=t["torch"], ratio=t["torch"] / t["pl"], rel_err=err))
                 if rule == "paper":
@@ -324,7 +333,7 @@ def workload_a(models, sizes, repeat, report):
                                 ratio=t["torch_meas"] / t["pl_meas"], measures_over_states=t["pl_meas"] / t["pl"]))
 
 
-def workload_b(model, steps, repeat, report):
+def workload_b(model, steps, timing, report):
     L = model.layers.shared(3, steps)
     cfg = L.config
     params = torch_layers(L)
@@ -339,12 +348,12 @@ def workload_b(model, steps, repeat, report):
     def t_torch():
         with torch.inference_mode():
             torch_run(cfg, params, [0] * steps, tx, tv, "paper")
-    t_pl, t_t = best_of_pair(jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), t_torch, repeat)
+    t_pl, t_t = best_of_pair(jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), t_torch, timing)
     report(dict(workload="B", model="minilm layer 3", size="1x32", rule="paper", what=f"T={steps}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
 
-def workload_c(model, repeat, report):
+def workload_c(model, timing, report):
     L = model.layers
     cfg = L.config
     x0, valid = prompts(model, 4, 32)
@@ -367,14 +376,16 @@ def workload_c(model, repeat, report):
         gather carries a cotangent and the backward pass runs through all U layers."""
         return score(final(layers.replace(W_o=layers.W_o.at[-1].set(W_o_last)), x))
 
-    def loss(W_o_last, layers, x):
+    def loss(W_o_last, head, last, x):
         """The first U-1 layers forward, then the last one with W_o_last: only the last layer
         is differentiated, as torch autograd does on its own (only W_o_last requires grad)."""
-        head, last = layers.select(range(U - 1)), layers.select([U - 1])
         return score(final(last.replace(W_o=W_o_last[None]), final(head, x)))
     grad, grad_scan = jax.jit(jax.grad(loss)), jax.jit(jax.grad(loss_scan))
     jx = jnp.asarray(x0)
-    gj = np.asarray(grad(L.W_o[-1], L, jx))
+    # split once, as torch's params[:-1] and params[-1] are: the head is every layer under a
+    # schedule of the first U-1 (no copy of its arrays), the last layer's arrays are taken once
+    head, last = L.with_schedule(range(U - 1)), L.select([U - 1])
+    gj = np.asarray(grad(L.W_o[-1], head, last, jx))
     gj_scan = np.asarray(grad_scan(L.W_o[-1], L, jx))
     params = torch_layers(L)
     tx, tv, tu = torch.from_numpy(x0), torch.from_numpy(valid), torch.from_numpy(u)
@@ -389,17 +400,17 @@ def workload_c(model, repeat, report):
         val.backward()
         return W.grad
     gt = torch_grad().numpy()
-    variants = (("grad W_o", gj, grad), ("grad W_o whole scan", gj_scan, grad_scan))
     W_last = L.W_o[-1]            # the parameter held once, as JAX code does (torch's clone is per call)
-    t = best_of_each({"torch": torch_grad, **{what: jax_call(lambda f=f: f(W_last, L, jx))
-                                               for what, _, f in variants}}, repeat)
+    variants = (("grad W_o", gj, lambda: grad(W_last, head, last, jx)),
+                ("grad W_o whole scan", gj_scan, lambda: grad_scan(W_last, L, jx)))
+    t = best_of_each({"torch": torch_grad, **{what: jax_call(f) for what, _, f in variants}}, timing)
     for what, g, f in variants:
         err = float(np.max(np.abs(g - gt)) / np.max(np.abs(gt)))
         report(dict(workload="C", model="minilm", size="4x32", rule="paper", what=what,
                     powerlens_s=t[what], torch_s=t["torch"], ratio=t["torch"] / t[what], rel_err=err))
 
 
-def workload_d(S, T, repeat, report):
+def workload_d(S, T, timing, report):
     sys.path.insert(0, HERE)
     from simulate import build                                       # the benchmark's own systems
     d, heads, n = 64, 4, 32
@@ -434,7 +445,7 @@ def workload_d(S, T, repeat, report):
     def t_torch():
         with torch.inference_mode():
             torch_sweep()
-    t_pl, t_t = best_of_pair(jax_call(lambda: run(stacked, X0, subs)), t_torch, repeat)
+    t_pl, t_t = best_of_pair(jax_call(lambda: run(stacked, X0, subs)), t_torch, timing)
     report(dict(workload="D", model=f"{S} synthetic systems", size=f"{S}x{n}", rule="paper", what=f"T={T}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -608,7 +619,7 @@ def history_rel(ours, theirs):
     return out
 
 
-def workload_e(model, K, steps, repeat, report, check_steps=40):
+def workload_e(model, K, steps, timing, report, check_steps=40):
     """The vmapped steering optimiser over K directions against the same Adam steps batched in torch.
 
     solve: the optimisation alone on the same prepared problem (both sides get the same entering
@@ -679,7 +690,7 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     self_cmp = compare_steering(ours, ours64)
     cmp.update(f64_hist_rel_max=history_rel(ours64s, theirs64s), f64_steps=short["steps"],
                self_rel_median=self_cmp["norm_rel_median"], self_rel_max=self_cmp["norm_rel_max"])
-    t_pl, t_t = best_of_pair(jax_call(solve), lambda: torch_steer(*targs, **c), repeat)
+    t_pl, t_t = best_of_pair(jax_call(solve), lambda: torch_steer(*targs, **c), timing)
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"solve {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
     # end to end: the public API against the torch user's whole pipeline
@@ -699,7 +710,7 @@ def workload_e(model, K, steps, repeat, report, check_steps=40):
     a_ours = {k: getattr(res, k) for k in ("norm", "alignment", "feasible", "closed_norm", "closed_alignment")}
     a_theirs = {k: v.numpy() for k, v in torch_api().items()}
     cmp = compare_steering(a_ours, a_theirs)
-    t_pl, t_t = best_of_pair(lambda: api().norm, torch_api, repeat)
+    t_pl, t_t = best_of_pair(lambda: api().norm, torch_api, timing)
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"api {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
 
@@ -731,9 +742,7 @@ def main(argv=None):
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch's intra-op threads (default 0: all cores, as the issue asks)")
     args = ap.parse_args(argv)
-    global MIN_SECONDS
-    if args.tiny:
-        MIN_SECONDS = 0.0                       # the test suite's run: equality checks, no timing
+    timing = Timing(args.repeat, 0.0 if args.tiny else MIN_SECONDS)
     torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     only = set(args.only.split(","))
     lines = []
@@ -746,7 +755,7 @@ def main(argv=None):
                         for k, v in line.items() if k not in keys)
         print(f"{head:<45} {nums}", flush=True)
 
-    gj, gt = matmul_rates(1 if args.tiny else 3)
+    gj, gt = matmul_rates(Timing(1 if args.tiny else 3, timing.min_seconds))
     print(f"matmul 2048^3 float32: jax {gj:.0f} GFLOP/s, torch {gt:.0f} GFLOP/s (torch threads "
           f"{torch.get_num_threads()})")
     minilm = pl.load("minilm")
@@ -760,8 +769,8 @@ def main(argv=None):
     if args.sizes:
         sizes = {"*": [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]}
     if "A" in only:
-        workload_a(models, sizes, args.repeat, report)
-        gj_after, _ = matmul_rates(1 if args.tiny else 3)
+        workload_a(models, sizes, timing, report)
+        gj_after, _ = matmul_rates(Timing(1 if args.tiny else 3, timing.min_seconds))
         ceiling = max(gj, gj_after)             # the faster of the two: the stricter fraction
         print(f"matmul 2048^3 float32 after A: jax {gj_after:.0f} GFLOP/s; the rates below are "
               f"against {ceiling:.0f}")
@@ -775,13 +784,13 @@ def main(argv=None):
         if not args.tiny and not args.no_compile:
             try_compile(minilm, report)
     if "B" in only:
-        workload_b(minilm, 20 if args.tiny else 1000, args.repeat, report)
+        workload_b(minilm, 20 if args.tiny else 1000, timing, report)
     if "C" in only:
-        workload_c(minilm, args.repeat, report)
+        workload_c(minilm, timing, report)
     if "D" in only:
-        workload_d(8 if args.tiny else 256, 10 if args.tiny else 200, args.repeat, report)
+        workload_d(8 if args.tiny else 256, 10 if args.tiny else 200, timing, report)
     if "E" in only:
-        workload_e(minilm, 8 if args.tiny else 64, 20 if args.tiny else 200, args.repeat, report)
+        workload_e(minilm, 8 if args.tiny else 64, 20 if args.tiny else 200, timing, report)
     ratios = [x["ratio"] for x in lines if x.get("what") == "states" and "ratio" in x]
     if ratios:
         print(f"A states only: min {min(ratios):.2f}x, median {float(np.median(ratios)):.2f}x over "

@@ -181,7 +181,13 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
                          "use attention='uniform' or 'identity'")
     n = X.shape[0]
     H, G, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    Z = X @ (qkv_weight(lp) if qkv is None else qkv)                  # (n, (H + 2G) e)
+    if qkv is None:
+        # no prebuilt weight (weights traced by the caller's jit or grad): this layer's rows, X @ W^T.
+        # Building the (d, out) copy of every layer inside the program instead cost MiniLM's
+        # gradient through 6 layers (benchmarks/vs_torch.py's C) two transposing copies of 9 MB
+        Z = X @ jnp.concatenate([W.reshape(-1, W.shape[-1]) for W in (lp.W_q, lp.W_k, lp.W_v)]).T
+    else:
+        Z = X @ qkv                                                     # (n, (H + 2G) e)
     Z = jnp.swapaxes(Z.reshape(n, H + 2 * G, e), 0, 1)                  # (H + 2G, n, e)
     q, k, v = Z[:H], Z[H:H + G], Z[H + G:]
     if lp.b_q is not None:

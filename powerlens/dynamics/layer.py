@@ -47,7 +47,8 @@ def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention:
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
     heads and projected by W_o, so the cost is that of a standard attention layer. For
     softmax attention q, k and v come from one fused projection (``qkv``: the stacked
-    weight of :func:`~powerlens.dynamics.attention.qkv_weight`, built here when not given).
+    weight of :func:`~powerlens.dynamics.attention.qkv_weight`; when not given, the layer's
+    W_q, W_k, W_v rows stacked, X @ W^T).
     """
     cfg = lp.config
     n = X.shape[0]

@@ -10,7 +10,8 @@ for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
 
 Costs paid once, outside the scan: the fused q/k/v weight of every unique layer
 (:func:`~powerlens.dynamics.attention.qkv_weight`; built once per set of weights, outside
-the compiled program, by the jitted entry points), and, for a single unique layer (a
+the compiled program, by the jitted entry points; weights traced by a caller's jit or grad
+are read in place, one layer's rows a step), and, for a single unique layer (a
 shared-weight system), that layer's parameters (no gather per step). A compact static
 schedule (:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one
 step per layer) is scanned by its length alone: no "int[T]" index array is built.
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import check_attention, fused_qkv, qkv_weight
+from .attention import check_attention, fused_qkv
 from .inputs import check_batch
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step, states
@@ -48,8 +49,10 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
       qkv: the fused projection weight of every unique layer,
-        :func:`~powerlens.dynamics.attention.qkv_weight` of ``layers`` (built here when None;
-        the jitted entry points pass :func:`~powerlens.dynamics.attention.fused_qkv`'s copy).
+        :func:`~powerlens.dynamics.attention.qkv_weight` of ``layers``: the jitted entry points
+        pass :func:`~powerlens.dynamics.attention.fused_qkv`'s copy. When None (weights traced
+        by the caller's jit or grad), each step reads its layer's W_q, W_k, W_v rows in place,
+        one X @ W^T: no fused copy of every layer is built inside the program.
       measure_after: keep every state "float[T+1 n d]" in the scan and measure them all at once
         afterwards (each observer's ``of_states``), instead of step by step. The same numbers;
         faster when the states are small (fewer, larger kernels), slower and O(T n d) memory
@@ -71,9 +74,7 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         xs = jnp.asarray(static if schedule is None else schedule, jnp.int32)
         length, layer_of = xs.shape[0], lambda t, u: u
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
-    qkv_all = None
-    if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
-        qkv_all = qkv_weight(layers) if qkv is None else qkv            # (U, d, (H + 2G) e)
+    qkv_all = qkv if attention == "softmax" else None                 # (U, d, (H + 2G) e)
     lp0 = layers.layer(0) if shared else None
     qkv0 = qkv_all[0] if shared and qkv_all is not None else None
     observers = dict(observers)
