@@ -307,6 +307,25 @@ def test_fused_qkv_cached_per_weights_never_stale(sys_causal):
     np.testing.assert_allclose(got, ref["final"][valid], atol=TOL * (1 + np.abs(ref["final"][valid]).max()))
 
 
+def test_select_keeps_the_applied_layers_and_renumbers_the_schedule(sys_causal):
+    """select of consecutive layers (a slice) and of scattered ones (a gather) keeps exactly
+    the layers the schedule applies, renumbered onto them: the same arrays as indexing the
+    stack, and the same final states as running the whole stack under that schedule."""
+    from powerlens.dynamics.run import run_batch
+    base, _, x0, valid = sys_causal
+    four = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, 1.5 * a if a.dtype.kind == "f" else a]), base)
+    four = four.replace(config=dataclasses.replace(base.config, schedule=None))
+    X0, V = jnp.asarray(x0[None]), jnp.asarray(valid[None])
+    for schedule, used, renumbered in (((1, 2), [1, 2], (0, 1)), ((3, 1, 3), [1, 3], (1, 0, 1))):
+        sub = four.select(schedule)
+        assert tuple(sub.schedule) == renumbered
+        for got, full in zip(jax.tree_util.tree_leaves(sub), jax.tree_util.tree_leaves(four)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(full)[used])
+        np.testing.assert_allclose(np.asarray(run_batch(sub, X0, V)["final"]),
+                                   np.asarray(run_batch(four.with_schedule(schedule), X0, V)["final"]),
+                                   rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("schedule", [(0, 1), "shared", None], ids=["one-per-layer", "shared", "array"])
 def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
     """``measure_after`` gives the numbers of the step-by-step observers (float32 rounding of a
