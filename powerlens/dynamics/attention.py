@@ -146,9 +146,15 @@ def qkv_weight(layers):
     return _stack_qkv(layers.W_q, layers.W_k, layers.W_v)
 
 
-def _stack_qkv(W_q, W_k, W_v):
+def qkv_rows(W_q, W_k, W_v):
+    """The rows of W_q, W_k, W_v stacked: "float[(H+2G)e d]" for one layer ("float[U (H+2G)e d]"
+    stacked), so that X @ rows^T is the fused projection without a transposed copy."""
     flat = lambda a: a.reshape(a.shape[:-3] + (-1, a.shape[-1]))
-    return jnp.swapaxes(jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2), -1, -2)
+    return jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2)
+
+
+def _stack_qkv(W_q, W_k, W_v):
+    return jnp.swapaxes(qkv_rows(W_q, W_k, W_v), -1, -2)
 
 
 _stack_qkv_jit = jax.jit(_stack_qkv)
@@ -185,7 +191,7 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
         # no prebuilt weight (weights traced by the caller's jit or grad): this layer's rows, X @ W^T.
         # Building the (d, out) copy of every layer inside the program instead cost MiniLM's
         # gradient through 6 layers (benchmarks/vs_torch.py's C) two transposing copies of 9 MB
-        Z = X @ jnp.concatenate([W.reshape(-1, W.shape[-1]) for W in (lp.W_q, lp.W_k, lp.W_v)]).T
+        Z = X @ qkv_rows(lp.W_q, lp.W_k, lp.W_v).T
     else:
         Z = X @ qkv                                                     # (n, (H + 2G) e)
     Z = jnp.swapaxes(Z.reshape(n, H + 2 * G, e), 0, 1)                  # (H + 2G, n, e)
