@@ -757,7 +757,8 @@ def main(argv=None):
                         for k, v in line.items() if k not in keys)
         print(f"{head:<45} {nums}", flush=True)
 
-    gj, gt = matmul_rates(Timing(1 if args.tiny else 3, timing.min_seconds))
+    matmul_timing = Timing(1 if args.tiny else 3, timing.min_seconds)
+    gj, gt = matmul_rates(matmul_timing)
     print(f"matmul 2048^3 float32: jax {gj:.0f} GFLOP/s, torch {gt:.0f} GFLOP/s (torch threads "
           f"{torch.get_num_threads()})")
     minilm = pl.load("minilm")
@@ -772,7 +773,7 @@ def main(argv=None):
         sizes = {"*": [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]}
     if "A" in only:
         workload_a(models, sizes, timing, report)
-        gj_after, _ = matmul_rates(Timing(1 if args.tiny else 3, timing.min_seconds))
+        gj_after, _ = matmul_rates(matmul_timing)
         ceiling = max(gj, gj_after)             # the faster of the two: the stricter fraction
         print(f"matmul 2048^3 float32 after A: jax {gj_after:.0f} GFLOP/s; the rates below are "
               f"against {ceiling:.0f}")

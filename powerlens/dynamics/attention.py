@@ -140,7 +140,7 @@ MAX_UNROLLED = 32
 def qkv_weight(layers):
     """W_q, W_k, W_v stacked and transposed for one fused projection X @ qkv:
     "float[d (H+2G)e]" for one layer, or "float[U d (H+2G)e]" for stacked layers (built once
-    per unique layer by ``run``). Stored (d, out), a plain X @ W matmul: for few tokens it was
+    per set of weights by :func:`fused_qkv`, outside the compiled program). Stored (d, out), a plain X @ W matmul: for few tokens it was
     faster than X @ W^T from the (out, d) rows (MiniLM's 1,000-step shared layer on 32 tokens,
     timed in turns in one process: 427 against 450 ms; 16 x 576 x 960: 100 against 137 us)."""
     return _stack_qkv(layers.W_q, layers.W_k, layers.W_v)
@@ -168,8 +168,8 @@ def fused_qkv(layers, attention: str = "softmax"):
     or NumPy arrays (mutable: never cached).
 
     The jitted entry points (``run_batch``, ``simulate_batch``) pass it into the compiled
-    program, which otherwise rebuilds it on every call: the concatenation copies every
-    attention weight (SmolLM2: 66 MB, half the time of a 1 x 16 prompt)."""
+    program, which then projects with a plain X @ W (see :func:`qkv_weight`); a program
+    without it reads each layer's rows in place, X @ W^T (:func:`_softmax_qkv`)."""
     if attention != "softmax":
         return None
     arrays = (layers.W_q, layers.W_k, layers.W_v)
