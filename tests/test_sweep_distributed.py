@@ -127,14 +127,31 @@ def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch)
     monkeypatch.delenv(XLA_THREADS, raising=False)
     env = worker_env(2, cores=2)
     assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false" and env[XLA_THREADS] == "1"
-    env = worker_env(2, cores=8)                                            # fewer workers than cores: untouched
-    assert "XLA_FLAGS" not in env and XLA_THREADS not in env
+    env = worker_env(2, cores=8)                    # fewer workers than cores: their threads span the cores,
+    assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false" and XLA_THREADS not in env   # Eigen's off
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
     env = worker_env(4, cores=2)
     assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true" and XLA_THREADS not in env  # the user's choice wins
     monkeypatch.delenv("XLA_FLAGS")
     monkeypatch.setenv(XLA_THREADS, "0")
     assert worker_env(4, cores=2)[XLA_THREADS] == "0" and "XLA_FLAGS" not in worker_env(4, cores=2)
+
+
+def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose(monkeypatch):
+    """`powerlens sweep` runs every process, one or many, without Eigen's intra-op threads:
+    with them, XLA's results moved in the last bits with the thread count (one process against
+    two single-threaded workers), and the parquet files of the tests above differed."""
+    from powerlens.sweeps.distributed import XLA_THREADS, same_numbers_xla
+    env = {"XLA_FLAGS": "--xla_dump_hlo_as_text"}
+    assert same_numbers_xla(env) and env["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_cpu_multi_thread_eigen=false"
+    assert not same_numbers_xla(env) and env["XLA_FLAGS"].count("multi_thread_eigen") == 1     # once
+    for chosen in ({"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=true"}, {XLA_THREADS: "0"}):
+        before = dict(chosen)
+        assert not same_numbers_xla(chosen) and chosen == before
+    import jax
+    jax.devices()                                   # this process's backend has started: too late,
+    before = os.environ.get("XLA_FLAGS")            # and its environment is left alone
+    assert not same_numbers_xla() and os.environ.get("XLA_FLAGS") == before
 
 
 def test_start_xla_starts_the_backend_on_one_core_then_gives_the_cores_back(monkeypatch):

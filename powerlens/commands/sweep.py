@@ -65,6 +65,8 @@ def cmd_sweep(args) -> int:
             raise ValueError("--processes starts its own workers; it cannot be combined with --coordinator")
         check_folder(target, spec.to_dict(), args.overwrite)      # refused before any worker starts
         return distributed.spawn(_forwarded(args), args.processes)
+    # before anything starts the backend: the numbers then do not depend on the process count
+    distributed.same_numbers_xla()
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.init_timeout)
     import jax
     from ..sweeps.api import sweep

@@ -145,20 +145,48 @@ def chooses_threads(flags: str, env: Optional[dict] = None) -> bool:
 
 
 def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None) -> dict:
-    """The environment of N local workers on one CPU host: with N >= the cores, each worker's
-    XLA runs single-threaded (:data:`SINGLE_THREAD_XLA` and :data:`XLA_THREADS` = 1, which
-    :func:`start_xla` reads), else every worker's thread pool would span all the cores and N
-    workers would only share them (measured with jax 0.4: 2 workers on 2 cores were no faster
-    than one process; single-threaded, 1.77x). The user's XLA_FLAGS thread choice, or their
-    own :data:`XLA_THREADS`, win; the numbers do not change (each system's program is the
-    same). ``base``: the environment to start from (default ``os.environ``)."""
+    """The environment of N local workers on one CPU host: Eigen's intra-op threads off in
+    each (:func:`same_numbers_xla`), and with N >= the cores each worker's XLA single-threaded
+    (:data:`XLA_THREADS` = 1, which :func:`start_xla` reads), else every worker's thread pool
+    would span all the cores and N workers would only share them (measured with jax 0.4: 2
+    workers on 2 cores were no faster than one process; single-threaded, 1.77x). The user's
+    XLA_FLAGS thread choice, or their own :data:`XLA_THREADS`, win. ``base``: the environment
+    to start from (default ``os.environ``)."""
     env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
-    flags = env.get("XLA_FLAGS", "")
-    if n >= cores and not chooses_threads(flags, env):
-        env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
+    if same_numbers_xla(env) and n >= cores:
         env[XLA_THREADS] = "1"
     return env
+
+
+def same_numbers_xla(env: Optional[dict] = None) -> bool:
+    """Turn Eigen's intra-op threads off (:data:`SINGLE_THREAD_XLA` added to ``env``'s
+    XLA_FLAGS, default ``os.environ``, read when the backend starts) unless the user's XLA_FLAGS
+    or :data:`XLA_THREADS` chose XLA's threads already, or (``env`` None) this process's
+    backend has started; whether it did.
+
+    ``powerlens sweep`` calls it in every process, one or many, so that a sweep's numbers do
+    not depend on how many processes, and so how many threads each, computed them: with
+    Eigen's threads on, XLA's CPU results changed in the last bits with the thread count
+    (seen on an AMD EPYC family 25 machine with jax 0.10.2: 2 threads against 1 moved
+    final_gamma by 2.4e-7, and mean_rho, a share of steps decided by near-ties, by 0.48);
+    with them off, one process (two cores for the dots, which XNNPACK runs) and two
+    single-threaded workers gave the same results.parquet, byte for byte. The ops that moved
+    are the small batched dots (e.g. "f32[8 4 4]") that XLA runs through Eigen, not XNNPACK.
+    The cost, one process on 2 cores, alternating runs: the test suite's 128-system sweep ran
+    at 98-105 systems/s against 88 with Eigen's threads, a 256-system d = 64 sweep at 56-77
+    against 61-81 (this machine's noise is as wide). From Python (``pl.sweep``), set
+    ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` before JAX starts for the same guarantee."""
+    if env is None:
+        from jax._src import xla_bridge
+        if xla_bridge.backends_are_initialized():       # too late for this process: left as it is
+            return False
+        env = os.environ
+    flags = env.get("XLA_FLAGS", "")
+    if chooses_threads(flags, env):
+        return False
+    env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
+    return True
 
 
 def start_xla(env: Optional[dict] = None) -> bool:
