@@ -127,8 +127,8 @@ def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch)
     monkeypatch.delenv(XLA_THREADS, raising=False)
     env = worker_env(2, cores=2)
     assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false" and env[XLA_THREADS] == "1"
-    env = worker_env(2, cores=8)                    # fewer workers than cores: their threads span the cores,
-    assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false" and XLA_THREADS not in env   # Eigen's off
+    env = worker_env(2, cores=8)                                            # fewer workers than cores: untouched
+    assert "XLA_FLAGS" not in env and XLA_THREADS not in env
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
     env = worker_env(4, cores=2)
     assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true" and XLA_THREADS not in env  # the user's choice wins

@@ -145,16 +145,19 @@ def chooses_threads(flags: str, env: Optional[dict] = None) -> bool:
 
 
 def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None) -> dict:
-    """The environment of N local workers on one CPU host: Eigen's intra-op threads off in
-    each (:func:`same_numbers_xla`), and with N >= the cores each worker's XLA single-threaded
-    (:data:`XLA_THREADS` = 1, which :func:`start_xla` reads), else every worker's thread pool
-    would span all the cores and N workers would only share them (measured with jax 0.4: 2
-    workers on 2 cores were no faster than one process; single-threaded, 1.77x). The user's
-    XLA_FLAGS thread choice, or their own :data:`XLA_THREADS`, win. ``base``: the environment
-    to start from (default ``os.environ``)."""
+    """The environment of N local workers on one CPU host: with N >= the cores, each worker's
+    XLA runs single-threaded (:data:`SINGLE_THREAD_XLA` and :data:`XLA_THREADS` = 1, which
+    :func:`start_xla` reads), else every worker's thread pool would span all the cores and N
+    workers would only share them (measured with jax 0.4: 2 workers on 2 cores were no faster
+    than one process; single-threaded, 1.77x). The user's XLA_FLAGS thread choice, or their
+    own :data:`XLA_THREADS`, win. ``base``: the environment to start from (default
+    ``os.environ``). That the numbers do not change with the process count is
+    :func:`same_numbers_xla`'s work, which every ``powerlens sweep`` process calls."""
     env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
-    if same_numbers_xla(env) and n >= cores:
+    flags = env.get("XLA_FLAGS", "")
+    if n >= cores and not chooses_threads(flags, env):
+        env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
         env[XLA_THREADS] = "1"
     return env
 
