@@ -460,8 +460,8 @@ def workload_d(S, T, timing, report, check_steps=10):
         return sweep
 
     torch_sweep = torch_sweep_of(torch.float32)
+    check = min(T, check_steps)
     with torch.inference_mode():
-        check = min(T, check_steps)
         fin, fin64 = torch_sweep().numpy(), torch_sweep_of(torch.float64, check)().numpy()
     per_system = np.abs(np.asarray(tr.final) - fin).reshape(S, -1).max(axis=1)
     with jax.enable_x64(True):

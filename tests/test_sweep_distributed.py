@@ -137,7 +137,7 @@ def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch)
     assert worker_env(4, cores=2)[XLA_THREADS] == "0" and "XLA_FLAGS" not in worker_env(4, cores=2)
 
 
-def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose(monkeypatch):
+def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose():
     """`powerlens sweep` runs every process, one or many, without Eigen's intra-op threads:
     with them, XLA's results moved in the last bits with the thread count (one process against
     two single-threaded workers), and the parquet files of the tests above differed."""

@@ -155,9 +155,7 @@ def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None)
     :func:`same_numbers_xla`'s work, which every ``powerlens sweep`` process calls."""
     env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
-    flags = env.get("XLA_FLAGS", "")
-    if n >= cores and not chooses_threads(flags, env):
-        env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
+    if n >= cores and same_numbers_xla(env):                # SINGLE_THREAD_XLA, unless the user chose
         env[XLA_THREADS] = "1"
     return env
 
