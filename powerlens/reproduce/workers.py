@@ -61,7 +61,7 @@ def single_threaded_main() -> bool:
     sections do not), so the same setting everywhere makes results.json the same bytes
     whatever ``--jobs`` and whatever the machine's cores; and while the workers keep the cores
     busy, threads here would only compete with them."""
-    from ..sweeps.distributed import SINGLE_THREAD_XLA, XLA_THREADS, chooses_threads
+    from ..sweeps.distributed import XLA_THREADS, chooses_threads, same_numbers_xla
     flags = os.environ.get("XLA_FLAGS")
     if _USER_ENV or chooses_threads(flags or "", os.environ):
         return True
@@ -69,7 +69,7 @@ def single_threaded_main() -> bool:
     if xla_bridge.backends_are_initialized():
         return False
     _USER_ENV.append({"XLA_FLAGS": flags, XLA_THREADS: None})
-    os.environ["XLA_FLAGS"] = ((flags or "") + " " + SINGLE_THREAD_XLA).strip()
+    same_numbers_xla(os.environ)                     # XLA_FLAGS += SINGLE_THREAD_XLA
     os.environ[XLA_THREADS] = "1"
     return True
 
