@@ -15,6 +15,7 @@ from powerlens import reproduce
 from powerlens.reproduce.section import SectionResult
 
 SECTIONS = ["bipartite"]
+BLOCKER = os.path.join(os.path.dirname(__file__), "no_torch")      # torch made unimportable
 
 
 def _cmd(out):
@@ -28,7 +29,9 @@ def _chunks(out):
 
 @pytest.mark.slow
 def test_resume_after_kill_gives_identical_results(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """Also the no-torch check of the synthetic sections (test_no_torch.py runs the real-model
+    ones): every process here runs with torch made unimportable."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([BLOCKER, os.environ.get("PYTHONPATH", "")]))
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 240
@@ -54,6 +57,9 @@ def test_resume_after_kill_gives_identical_results(tmp_path):
     doc = json.loads((fresh / "results.json").read_text())
     assert [s["id"] for s in doc["sections"]] == ["bipartite"]
     assert "files written:" in clean.stdout and "report.html" in clean.stdout
+    for run in (resumed, clean):
+        checks = {line for line in run.stderr.splitlines() if line.startswith("NO-TORCH-CHECK")}
+        assert checks == {"NO-TORCH-CHECK: none"}, run.stderr[-3000:]
 
 
 def test_failing_section_is_reported_and_others_kept(tmp_path, monkeypatch, capsys):
