@@ -22,3 +22,14 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", old)
+
+
+@pytest.fixture(scope="session")
+def cache_env(tmp_path_factory):
+    """The environment for the tests' subprocesses: one persistent compilation cache per test
+    worker, so a program that several processes run (a killed run, its resumption, a fresh
+    run; one process against several) compiles once."""
+    cache = tmp_path_factory.getbasetemp() / "jax-cache"
+    cache.mkdir(exist_ok=True)
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")

@@ -24,11 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "jax-cache"
-    cache.mkdir(exist_ok=True)
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
+def env(cache_env):
+    return cache_env
 
 
 @pytest.fixture(scope="module")

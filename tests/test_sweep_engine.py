@@ -44,15 +44,6 @@ def _write(tmp_path, text, name="spec.toml"):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    """Subprocesses share one persistent compilation cache (the same program compiles once)."""
-    cache = tmp_path_factory.getbasetemp() / "jax-cache"
-    cache.mkdir(exist_ok=True)
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1")
-
-
 # ------------------------------------------------------------------ bad input: exit 2, one line
 
 BAD = [
