@@ -31,8 +31,16 @@ COMMANDS = {
 OUTPUTS = {"spectrum": "spectrum.json", "align": "align.json", "steer": "steer.json", "reproduce": "results.json"}
 
 
+def without_torch(env=None) -> dict:
+    """``env`` (default ``os.environ``) with the blocker first on PYTHONPATH: torch made
+    unimportable in the process and in every process it starts."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (BLOCKER, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def run_without_torch(args, out, timeout=600):
-    env = dict(os.environ, PYTHONPATH=BLOCKER + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = without_torch()
     env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)     # the command itself must silence the notice
     return subprocess.run([sys.executable, "-m", "powerlens.cli", *args, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=timeout)

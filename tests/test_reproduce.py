@@ -13,9 +13,9 @@ import pytest
 
 from powerlens import reproduce
 from powerlens.reproduce.section import SectionResult
+from test_no_torch import without_torch
 
 SECTIONS = ["bipartite"]
-BLOCKER = os.path.join(os.path.dirname(__file__), "no_torch")      # torch made unimportable
 
 
 def _cmd(out):
@@ -31,7 +31,7 @@ def _chunks(out):
 def test_resume_after_kill_gives_identical_results(tmp_path):
     """Also the no-torch check of the synthetic sections (test_no_torch.py runs the real-model
     ones): every process here runs with torch made unimportable."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([BLOCKER, os.environ.get("PYTHONPATH", "")]))
+    env = without_torch(dict(os.environ, PYTHONUNBUFFERED="1"))
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(killed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 240
