@@ -24,11 +24,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def env(cache_env):
-    return cache_env
-
-
-@pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     path = tmp_path_factory.mktemp("spec") / "spec.toml"
     path.write_text(SPEC)
@@ -46,23 +41,23 @@ def _run(cmd, env):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, spec, env):
+def reference(tmp_path_factory, spec, cache_env):
     """results.parquet of one process."""
     out = tmp_path_factory.mktemp("one") / "out"
-    _run(_cmd(spec, out), env)
+    _run(_cmd(spec, out), cache_env)
     return (out / "results.parquet").read_bytes()
 
 
-def test_two_processes_give_the_table_of_one(tmp_path, spec, env, reference):
-    done = _run(_cmd(spec, tmp_path / "two", "--processes", "2"), env)
+def test_two_processes_give_the_table_of_one(tmp_path, spec, cache_env, reference):
+    done = _run(_cmd(spec, tmp_path / "two", "--processes", "2"), cache_env)
     assert "2 workers on 127.0.0.1:" in done.stdout and "2 processes" in done.stdout
     assert (tmp_path / "two" / "results.parquet").read_bytes() == reference
 
 
-def test_a_killed_worker_restarted_gives_the_same_table(tmp_path, spec, env, reference):
+def test_a_killed_worker_restarted_gives_the_same_table(tmp_path, spec, cache_env, reference):
     out = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(spec, out, "--processes", "2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=cache_env)
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", proc.stdout.readline()).groups()]
     chunks = out / ".chunks"
     deadline = time.time() + 120
@@ -76,14 +71,14 @@ def test_a_killed_worker_restarted_gives_the_same_table(tmp_path, spec, env, ref
     n_done = len(os.listdir(chunks))
     assert n_done < N_CHUNKS and not (out / "results.parquet").exists()
 
-    done = _run(_cmd(spec, out, "--processes", "2"), env)
+    done = _run(_cmd(spec, out, "--processes", "2"), cache_env)
     assert "resumed" in done.stdout and "0 resumed" not in done.stdout
     assert (out / "results.parquet").read_bytes() == reference
 
 
-def test_a_global_mesh_gives_the_numbers_of_one_process(tmp_path, spec, env, reference):
+def test_a_global_mesh_gives_the_numbers_of_one_process(tmp_path, spec, cache_env, reference):
     """Every chunk sharded over the devices of both processes (jax.make_mesh over all of them)."""
-    _run(_cmd(spec, tmp_path / "global", "--processes", "2", "--global-mesh"), env)
+    _run(_cmd(spec, tmp_path / "global", "--processes", "2", "--global-mesh"), cache_env)
     assert (tmp_path / "global" / "results.parquet").read_bytes() == reference
 
 
