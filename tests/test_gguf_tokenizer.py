@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 
+from gguf_reference import gguf_parsed_once_in_memory
 from powerlens.models.gguf_llama import GGUFFile
 from powerlens.models.gguf_tokenizer import build_tokenizer, gguf_tokenizer, tokenizer_spec
 from powerlens.models.load import resolve
@@ -91,8 +92,9 @@ def write_llama_vocab_gguf(path, corpus: str):
 
 def reference(path):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                         local_files_only=True)
+    with gguf_parsed_once_in_memory():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                             local_files_only=True)
 
 
 @pytest.fixture(scope="module")
