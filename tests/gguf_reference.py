@@ -28,7 +28,7 @@ def gguf_parsed_once_in_memory():
     real_reader, real_np = gguf.GGUFReader, reader_module.np
     file_in_memory = types.ModuleType("numpy_with_files_in_memory")
     file_in_memory.__dict__.update(real_np.__dict__)
-    file_in_memory.memmap = lambda path, mode="r": np.fromfile(path, dtype=np.uint8)
+    file_in_memory.memmap = _read_into_memory
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(real_reader)
     reader_module.np = file_in_memory
     try:
@@ -36,3 +36,14 @@ def gguf_parsed_once_in_memory():
     finally:
         gguf.GGUFReader = real_reader
         reader_module.np = real_np
+
+
+def _read_into_memory(path, mode: str = "r") -> np.ndarray:
+    """The bytes of ``path`` as a read-only "uint8[size]" array, what ``np.memmap(path, mode="r")``
+    gives the reader (its only mode here)."""
+    if mode != "r":
+        raise ValueError(f"gguf_parsed_once_in_memory reads files only (mode 'r'), got mode {mode!r}")
+    data = np.fromfile(path, dtype=np.uint8)
+    data.flags.writeable = False
+    return data
+
