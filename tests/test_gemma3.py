@@ -5,7 +5,7 @@ The reference is independent of powerlens' reader: ``AutoModelForCausalLM.from_p
 subtracts the 1 that llama.cpp added to every norm weight, and reads it as
 ``Gemma3ForCausalLM`` with ``layer_types`` five ``sliding_attention`` then one
 ``full_attention`` (window 512), RoPE bases 1e4 / 1e6, sqrt(d) embeddings. It takes about
-half a minute on 2 cores, so it is loaded once per module, the file parsed once, from memory
+40 s on 2 cores (the fixture's setup in the suite), so it is loaded once per module, the file parsed once, from memory
 (``gguf_reference``; and needs ``accelerate``).
 
 * the structure powerlens derives for what the file does not say (pattern, local base,
