@@ -281,26 +281,37 @@ def test_benchmark_baseline_equals_reference():
         np.testing.assert_allclose(got[key], ref[key], atol=1e-12, err_msg=key)
 
 
-def test_fused_qkv_cached_per_weights_never_stale(sys_causal):
-    """run_batch passes the fused q/k/v weight built once per (W_q, W_k, W_v) into the compiled
-    program: the same numbers, to float32 rounding, as reading the weights in place (what a
-    program without it does), and a layer with a new W_q gets its own."""
+def test_projections_cached_per_weights_never_stale(sys_causal):
+    """run_batch passes the (in, out) copies of the attention weights, built once per
+    (W_q, W_k, W_v, W_o), into the compiled program: the same numbers, to float32 rounding, as
+    reading the weights in place (what a program without them does), and a layer with a new
+    W_q or W_o gets its own."""
     import importlib
-    from powerlens.dynamics.attention import fused_qkv, qkv_weight
+    from powerlens.dynamics.projections import prepared_projections, qkv_weight
     from powerlens.dynamics.run import run_batch
     run_mod = importlib.import_module("powerlens.dynamics.run")
     layers, _, x0, valid = sys_causal
-    fused = fused_qkv(layers)
-    assert fused is fused_qkv(layers)                                   # built once
-    np.testing.assert_array_equal(np.asarray(fused), np.asarray(qkv_weight(layers)))
-    assert fused_qkv(layers.replace(W_q=np.asarray(layers.W_q))) is None   # NumPy: mutable, never cached
+    P = prepared_projections(layers)
+    assert P is prepared_projections(layers)                            # built once
+    np.testing.assert_array_equal(np.asarray(P.qkv), np.asarray(qkv_weight(layers)))
+    np.testing.assert_array_equal(np.asarray(P.out), np.swapaxes(np.asarray(layers.W_o), 1, 2))
+    U, d, H, e = layers.W_q.shape[0], layers.W_o.shape[1], layers.W_q.shape[1], layers.W_q.shape[2]
+    assert P.qkv.shape == (U, d, (H + 2 * layers.W_k.shape[1]) * e) and P.out.shape == (U, H * e, d)
+    assert prepared_projections(layers.replace(W_q=np.asarray(layers.W_q))) is None   # NumPy: mutable, never cached
+    uniform = prepared_projections(layers, "uniform")                   # no q/k/v projection to fuse
+    assert uniform.qkv is None
+    np.testing.assert_array_equal(np.asarray(uniform.out), np.asarray(P.out))
     X0, V = jnp.asarray(x0[None]), jnp.asarray(valid[None])
-    inside = run_mod._run_batch(layers, X0, V, None, None, None, rule="paper", attention="softmax",
-                                keep_bias=None, observe=("final",))["final"]
-    np.testing.assert_allclose(np.asarray(run_batch(layers, X0, V)["final"]), np.asarray(inside), rtol=0, atol=1e-5)
-    other = layers.replace(W_q=layers.W_q * 2)
-    assert fused_qkv(other) is not fused
-    np.testing.assert_allclose(np.asarray(fused_qkv(other)[..., :4 * 4]), 2 * np.asarray(fused[..., :4 * 4]))
+    for attention in ("softmax", "uniform"):
+        inside = run_mod._run_batch(layers, X0, V, None, None, None, rule="paper", attention=attention,
+                                    keep_bias=None, observe=("final",))["final"]
+        np.testing.assert_allclose(np.asarray(run_batch(layers, X0, V, attention=attention)["final"]),
+                                   np.asarray(inside), rtol=0, atol=1e-5)
+    other = layers.replace(W_q=layers.W_q * 2, W_o=layers.W_o * 3)
+    Q = prepared_projections(other)
+    assert Q is not P
+    np.testing.assert_allclose(np.asarray(Q.qkv[..., :4 * 4]), 2 * np.asarray(P.qkv[..., :4 * 4]))
+    np.testing.assert_allclose(np.asarray(Q.out), 3 * np.asarray(P.out))
     ref = R.simulate_layers(other, x0, reference_subspaces(layer_spectra(layer_matrices(other)), seed=1),
                             valid=valid, rule="paper", attention="softmax")
     got = np.asarray(run_batch(other, X0, V)["final"])[0][valid]

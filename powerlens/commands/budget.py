@@ -12,7 +12,7 @@ key/value heads of size e, floats of s bytes (``itemsize``):
     per-step measures   T R orders + c B (4m+5) s the rows written to JSON/CSV (R bytes each, measured)
                                                   and one chunk of c steps of per-prompt outputs
     attention           B (3 H n² + 2 n (H+2G) e + 4 n d) s   scores, softmax and q/k/v of one step
-    fused q/k/v weights the copy the scan builds of W_q, W_k, W_v
+    projection weights  the (in, out) copies the scan is given of W_q, W_k, W_v (fused) and W_o
     gradients           T x attention             --optimize differentiates through every step
 
 Available memory is the least of the kernel's MemAvailable (or free pages), the cgroup's
@@ -68,9 +68,10 @@ class Estimate:
 def shapes_of(layers) -> dict:
     """The sizes of ``layers`` that :func:`run_estimate` needs."""
     cfg = layers.config
-    qkv = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (layers.W_q, layers.W_k, layers.W_v) if a is not None)
+    copied = (layers.W_q, layers.W_k, layers.W_v, layers.W_o)         # powerlens.dynamics.projections
+    weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in copied if a is not None)
     return dict(d=cfg.d_model, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, d_head=cfg.d_head,
-                itemsize=np.dtype(layers.W_v.dtype).itemsize, weights=qkv)
+                itemsize=np.dtype(layers.W_v.dtype).itemsize, weights=weights)
 
 
 def run_estimate(*, steps: int, batch: int, tokens: int, d: int, heads: int, d_head: int, itemsize: int,
@@ -85,7 +86,7 @@ def run_estimate(*, steps: int, batch: int, tokens: int, d: int, heads: int, d_h
         "states": 2 * (T + 1) * B * n * d * s if save_states else 0,
         "per-step measures": T * ROW_BYTES * orders + chunk_steps(max(T, 1)) * B * (4 * references + 5) * s,
         "attention": attention,
-        "fused q/k/v weights": weights,
+        "projection weights": weights,
         "gradients": T * attention if gradients else 0,
     }
     advice = "use fewer steps, tokens or prompts" + (" (or drop --save-states)" if save_states else "")

@@ -9,7 +9,8 @@ subspaces. This package imports nothing from the rest of powerlens.
 from .schedule import Schedule
 from .params import Layer, LayerConfig, Layers, constant_term, layer_factors, layer_matrices, make_layers, value_matrix
 from .layer import RULES, attention_output, faithful_rule, layer_step
-from .attention import ATTENTION_MODES, attention_weights, qkv_weight
+from .attention import ATTENTION_MODES, attention_weights
+from .projections import Projections, prepared_projections, qkv_weight
 from .subspaces import REFERENCES, Subspaces, null_subspaces, stack_subspaces
 from .observers import Alignment, Observer, Step, alignment, consensus, final, finite, states
 from .measures import Consensus
@@ -19,7 +20,7 @@ from .simulate import Trajectory, pooled, simulate, simulate_batch
 __all__ = [
     "Schedule", "Layer", "LayerConfig", "Layers", "constant_term", "layer_factors", "layer_matrices", "make_layers", "value_matrix",
     "RULES", "attention_output", "faithful_rule", "layer_step",
-    "ATTENTION_MODES", "attention_weights", "qkv_weight",
+    "ATTENTION_MODES", "attention_weights", "Projections", "prepared_projections", "qkv_weight",
     "REFERENCES", "Subspaces", "null_subspaces", "stack_subspaces",
     "Alignment", "Consensus", "Observer", "Step", "alignment", "consensus", "final", "finite", "states",
     "run", "run_batch", "Trajectory", "pooled", "simulate", "simulate_batch",

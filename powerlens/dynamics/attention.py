@@ -14,7 +14,7 @@ Modes (design.md §1):
 
 All functions are written for one prompt, X "float[n d]", ``valid`` "bool[n]", and are
 batched with ``vmap``. Softmax attention has one implementation: q, k and v come from one
-fused projection (:func:`qkv_weight`), then the masked softmax.
+fused projection (:func:`~powerlens.dynamics.projections.qkv_weight`), then the masked softmax.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from .blocked import blocked_attention_mix
-from .cache import per_arrays
 from .norms import apply_norm
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
@@ -137,43 +136,11 @@ MAX_UNROLLED = 32
 """The most query blocks :func:`query_blocked_mix` unrolls (4,096 tokens in blocks of 128)."""
 
 
-def qkv_weight(layers):
-    """W_q, W_k, W_v stacked and transposed for one fused projection X @ qkv:
-    "float[d (H+2G)e]" for one layer, or "float[U d (H+2G)e]" for stacked layers (built once
-    per set of weights by :func:`fused_qkv`, outside the compiled program). Stored (d, out), a plain X @ W matmul: for few tokens it was
-    faster than X @ W^T from the (out, d) rows (MiniLM's 1,000-step shared layer on 32 tokens,
-    timed in turns in one process: 427 against 450 ms; 16 x 576 x 960: 100 against 137 us)."""
-    return _stack_qkv(layers.W_q, layers.W_k, layers.W_v)
-
-
 def qkv_rows(W_q, W_k, W_v):
     """The rows of W_q, W_k, W_v stacked: "float[(H+2G)e d]" for one layer ("float[U (H+2G)e d]"
     stacked), so that X @ rows^T is the fused projection without a transposed copy."""
     flat = lambda a: a.reshape(a.shape[:-3] + (-1, a.shape[-1]))
     return jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2)
-
-
-def _stack_qkv(W_q, W_k, W_v):
-    return jnp.swapaxes(qkv_rows(W_q, W_k, W_v), -1, -2)
-
-
-_stack_qkv_jit = jax.jit(_stack_qkv)
-
-
-def fused_qkv(layers, attention: str = "softmax"):
-    """:func:`qkv_weight` of concrete stacked layers, built once per set of W_q, W_k, W_v
-    JAX arrays and kept while they live (one more copy of those weights,
-    :func:`~powerlens.dynamics.cache.per_arrays`); None for an ``attention`` other than
-    softmax, layers without softmax weights, or weights that are traced (inside jit or grad)
-    or NumPy arrays (mutable: never cached).
-
-    The jitted entry points (``run_batch``, ``simulate_batch``) pass it into the compiled
-    program, which then projects with a plain X @ W (see :func:`qkv_weight`); a program
-    without it reads each layer's rows in place, X @ W^T (:func:`_softmax_qkv`)."""
-    if attention != "softmax":
-        return None
-    arrays = (layers.W_q, layers.W_k, layers.W_v)
-    return per_arrays("qkv", arrays, lambda: _stack_qkv_jit(*arrays))
 
 
 def _softmax_qkv(lp, X, positions=None, qkv=None):
@@ -228,7 +195,8 @@ attention core (8 x 512 and 1 x 2048 tokens, vmapped): 128 was faster than 32, 6
 def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     """M "float[n H e]" with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention.
 
-    ``qkv``: the fused weight of :func:`qkv_weight`, precomputed by loops that reuse it.
+    ``qkv``: the fused weight of :func:`~powerlens.dynamics.projections.qkv_weight`, precomputed
+    by loops that reuse it.
     q, k, v are made head-major "float[H n e]" (the layout XLA runs fastest: an einsum over
     the token-major arrays inserts a transpose per operand, and was 17 % slower for one MiniLM
     layer at 8 x 128 tokens; :func:`_softmax_qkv`); query blocks keep grouped-query

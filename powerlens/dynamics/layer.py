@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from .attention import attention_weights, check_attention, softmax_attention_mix
 from .norms import apply_norm, l2_normalize
 from .params import Layer
+from .projections import Projections
 
 RULES = ("paper", "post_ln", "pre_ln", "full")
 
@@ -41,26 +42,30 @@ def default_keep_bias(rule: str) -> bool:
 
 
 def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
-                     keep_bias: bool = False, positions: "int[n] | None" = None, qkv=None) -> "float[n d]":
+                     keep_bias: bool = False, positions: "int[n] | None" = None,
+                     projections: "Projections | None" = None) -> "float[n d]":
     """attn(X) of one layer: "float[n d]".
 
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
     heads and projected by W_o, so the cost is that of a standard attention layer. For
-    softmax attention q, k and v come from one fused projection (``qkv``: the stacked
-    weight of :func:`~powerlens.dynamics.attention.qkv_weight`; when not given, the layer's
-    W_q, W_k, W_v rows stacked, X @ W^T).
+    softmax attention q, k and v come from one fused projection. ``projections``: this
+    layer's (in, out) copies of W_q, W_k, W_v (fused) and W_o
+    (:class:`~powerlens.dynamics.projections.Projections`: a plain X @ W each); without them
+    the layer's own rows are read in place, X @ W^T.
     """
     cfg = lp.config
     n = X.shape[0]
+    P = Projections() if projections is None else projections
     if attention == "softmax":
-        M = softmax_attention_mix(lp, X, valid, positions, qkv)        # (n, H, e)
+        M = softmax_attention_mix(lp, X, valid, positions, P.qkv)      # (n, H, e)
     else:
         A = attention_weights(lp, X, valid, attention)                 # (n, n), shared by all heads
         V = X @ lp.W_v.reshape(-1, X.shape[-1]).T                      # (n, G e)
         M = (A @ V).reshape(n, cfg.n_kv_heads, cfg.d_head)
         if cfg.kv_group > 1:
             M = jnp.repeat(M, cfg.kv_group, axis=1)                    # (n, H, e)
-    out = M.reshape(n, -1) @ lp.W_o.T
+    M = M.reshape(n, -1)
+    out = M @ lp.W_o.T if P.out is None else M @ P.out
     if keep_bias:
         if lp.b_v is not None:
             b_v = jnp.repeat(lp.b_v, cfg.kv_group, axis=0).reshape(-1)
@@ -107,14 +112,15 @@ def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
 
 
 def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "paper", attention: str = "softmax",
-               keep_bias: bool | None = None, positions: "int[n] | None" = None, qkv=None) -> "float[n d]":
-    """Apply one layer under ``rule``: "float[n d]" -> "float[n d]". ``qkv``: optional
-    precomputed fused projection weight (see :func:`attention_output`)."""
+               keep_bias: bool | None = None, positions: "int[n] | None" = None,
+               projections: "Projections | None" = None) -> "float[n d]":
+    """Apply one layer under ``rule``: "float[n d]" -> "float[n d]". ``projections``: this
+    layer's (in, out) attention weight copies, when prepared (see :func:`attention_output`)."""
     check_rule(rule)
     check_attention(attention)
     if keep_bias is None:
         keep_bias = default_keep_bias(rule)
-    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions, qkv=qkv)
+    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions, projections=projections)
     if rule == "paper":
         return l2_normalize(X + attention_output(lp, X, valid, **kw))
     if rule == "post_ln":

@@ -8,8 +8,9 @@ layer u = schedule[t] under ``rule``::
 and hands (x_t, x_{t+1}) to every observer (:mod:`powerlens.dynamics.observers`). Written
 for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
 
-Costs paid once, outside the scan: the fused q/k/v weight of every unique layer
-(:func:`~powerlens.dynamics.attention.qkv_weight`; built once per set of weights, outside
+Costs paid once, outside the scan: the (in, out) copies of every unique layer's matmul
+weights, the fused q/k/v weight among them
+(:class:`~powerlens.dynamics.projections.Projections`; built once per set of weights, outside
 the compiled program, by the jitted entry points; weights traced by a caller's jit or grad
 are read in place, one layer's rows a step), and, for a single unique layer (a
 shared-weight system), that layer's parameters (no gather per step). A compact static
@@ -25,17 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import check_attention, fused_qkv
+from .attention import check_attention
 from .inputs import check_batch
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step, states
 from .params import Layers
+from .projections import Projections, prepared_projections
 
 
 def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str, attention: str,
         observers: Mapping[str, Observer], keep_bias: Optional[bool] = None,
         positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
-        qkv: "float[U d (H+2G)e] | None" = None, measure_after: bool = False) -> Dict[str, Any]:
+        projections: Optional[Projections] = None, measure_after: bool = False) -> Dict[str, Any]:
     """Iterate ``layers`` from x0 and return ``{name: result}`` of every observer.
 
     Args:
@@ -48,11 +50,11 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         ``{"final": final(), "gamma": alignment(subspaces)}``.
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
-      qkv: the fused projection weight of every unique layer,
-        :func:`~powerlens.dynamics.attention.qkv_weight` of ``layers``: the jitted entry points
-        pass :func:`~powerlens.dynamics.attention.fused_qkv`'s copy. When None (weights traced
-        by the caller's jit or grad), each step reads its layer's W_q, W_k, W_v rows in place,
-        one X @ W^T: no fused copy of every layer is built inside the program.
+      projections: the (in, out) copies of every unique layer's matmul weights
+        (:class:`~powerlens.dynamics.projections.Projections` of ``layers``): the jitted entry
+        points pass :func:`~powerlens.dynamics.projections.prepared_projections`' copy. When
+        None (weights traced by the caller's jit or grad), each step reads its layer's rows in
+        place, X @ W^T: no copy of every layer is built inside the program.
       measure_after: keep every state "float[T+1 n d]" in the scan and measure them all at once
         afterwards (each observer's ``of_states``), instead of step by step. The same numbers;
         faster when the states are small (fewer, larger kernels), slower and O(T n d) memory
@@ -74,18 +76,17 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         xs = jnp.asarray(static if schedule is None else schedule, jnp.int32)
         length, layer_of = xs.shape[0], lambda t, u: u
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
-    qkv_all = qkv if attention == "softmax" else None                 # (U, d, (H + 2G) e)
     lp0 = layers.layer(0) if shared else None
-    qkv0 = qkv_all[0] if shared and qkv_all is not None else None
+    proj0 = projections.layer(0) if shared and projections is not None else None
     observers = dict(observers)
 
     def step(carry, u):
         X, obs_states, t = carry
         u = layer_of(t, u)
         lp = lp0 if shared else layers.layer(u)
-        qkv = qkv0 if shared else (None if qkv_all is None else qkv_all[u])
+        proj = proj0 if shared else (None if projections is None else projections.layer(u))
         Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                       positions=positions, qkv=qkv)
+                       positions=positions, projections=proj)
         info = Step(t=t, layer=u, valid=valid)
         new, outs = {}, {}
         for name, ob in observers.items():
@@ -122,10 +123,10 @@ def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | N
 
 @functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe", "steps_first",
                                              "measure_after"))
-def _run_batch(layers, X0, valid, positions, schedule, qkv=None, *, rule, attention, keep_bias, observe,
+def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule, attention, keep_bias, observe,
                steps_first=False, measure_after=False):
     one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
-                           positions=positions, schedule=schedule, qkv=qkv, measure_after=measure_after,
+                           positions=positions, schedule=schedule, projections=projections, measure_after=measure_after,
                            observers={name: READY[name]() for name in observe})
     # the scan stacks each prompt's states step-major: with the prompt axis put second,
     # "float[T+1 B n d]" comes out without the transpose that out_axes=0 then swapaxes would cost
@@ -160,5 +161,5 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
     return _run_batch(layers, np.asarray(X0, layers.W_v.dtype), valid, positions, schedule,
-                      fused_qkv(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
+                      prepared_projections(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after)

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .attention import check_attention, fused_qkv
+from .attention import check_attention
 from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
 from .observers import alignment, consensus, final, finite, rotation_planes, states
+from .projections import prepared_projections
 from .run import measure_after_pays, run
 from .subspaces import REFERENCES, Subspaces, reference_index
 
@@ -65,7 +66,7 @@ class Trajectory:
 def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] | None" = None,
              rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
              save_states: bool = False, schedule: "int[T] | None" = None,
-             positions: "int[n] | None" = None, qkv=None, measure_after: bool = False,
+             positions: "int[n] | None" = None, projections=None, measure_after: bool = False,
              planes: "bool[U] | None" = None) -> Trajectory:
     """Iterate ``layers`` over its schedule from x0 and measure. Pure; jit/vmap it.
 
@@ -78,7 +79,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
         from every measure).
       rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
       save_states: also return all states "float[T+1 n d]".
-      qkv: the fused q/k/v weight of ``layers``, when precomputed (see :func:`~powerlens.dynamics.run`).
+      projections: the (in, out) weight copies of ``layers``, when prepared (see :func:`~powerlens.dynamics.run`).
       measure_after: measure all states after the scan (same numbers; see :func:`~powerlens.dynamics.run`).
       planes: :func:`~powerlens.dynamics.observers.rotation_planes` of ``subspaces`` and ``layers``,
         when precomputed (else computed here).
@@ -90,7 +91,7 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     if save_states:
         observers["states"] = states()
     out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
-              positions=positions, schedule=schedule, qkv=qkv, measure_after=measure_after)
+              positions=positions, schedule=schedule, projections=projections, measure_after=measure_after)
     a, c = out["alignment"], out["consensus"]
     return Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
                       consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
@@ -102,9 +103,9 @@ _STATIC = ("rule", "attention", "keep_bias", "save_states", "measure_after")
 simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
-def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, qkv=None, planes=None, **kw):
-    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule, qkv=qkv,
-                              planes=planes, **kw)
+def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, **kw):
+    f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule,
+                              projections=projections, planes=planes, **kw)
     return jax.vmap(f)(X0, valid)
 
 
@@ -127,7 +128,7 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     if schedule is not None:
         schedule = jnp.asarray(schedule, jnp.int32)
     return simulate_batch_jit(layers, np.asarray(X0, layers.W_v.dtype), subspaces, valid, positions,
-                              schedule, fused_qkv(layers, attention), rotation_planes(subspaces, layers),
+                              schedule, prepared_projections(layers, attention), rotation_planes(subspaces, layers),
                               rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule))
 

@@ -63,8 +63,8 @@ def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rul
              positions=None) -> "float[B n d]":
     """Final tokens after the steps ``tail`` (a static Schedule or tuple of unique-layer indices): the
     ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
-    the optimiser differentiates through it). Only the layers of the tail are kept, so the
-    fused q/k/v weights are built for those alone."""
+    the optimiser differentiates through it). Only the layers of the tail are kept; their
+    weights are read in place (no transposed copies inside the differentiated program)."""
     sub = layers.select(tail)
     one = lambda x, v: run(sub, x, v, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions,
                            observers={"final": final()})["final"]
