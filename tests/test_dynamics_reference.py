@@ -318,6 +318,38 @@ def test_projections_cached_per_weights_never_stale(sys_causal):
     np.testing.assert_allclose(got, ref["final"][valid], atol=TOL * (1 + np.abs(ref["final"][valid]).max()))
 
 
+def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
+    """On a CPU a batch of short prompts runs in lax.map steps of about CHUNK_TOKENS_CPU tokens
+    (prompt_chunk); the last step takes the remainder. Chunked, every observer agrees with
+    one vmap over the batch to float32 rounding, the states keep their "float[T+1 B n d]"
+    order, and simulate_batch's whole Trajectory agrees too."""
+    import importlib
+    run_mod = importlib.import_module("powerlens.dynamics.run")
+    sim = importlib.import_module("powerlens.dynamics.simulate")
+    from powerlens.dynamics.run import CHUNK_TOKENS_CPU, prompt_chunk, run_batch
+    assert prompt_chunk(32, 128, "cpu") == CHUNK_TOKENS_CPU // 128 == 8
+    assert prompt_chunk(8, 128, "cpu") is None                          # one chunk already
+    assert prompt_chunk(8, 512, "cpu") is None                          # query blocks: no gain measured
+    assert prompt_chunk(32, 128, "gpu") is None
+    layers, sub, x0, valid = sys_causal
+    rng = np.random.default_rng(11)
+    X0 = np.stack([x0] + [rng.standard_normal(x0.shape).astype(np.float32) for _ in range(6)])   # B = 7
+    V = np.stack([valid] * 4 + [np.ones_like(valid)] * 3)
+    whole = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
+    monkeypatch.setattr(run_mod, "CHUNK_TOKENS_CPU", 3 * X0.shape[1])  # chunks of 3 prompts: 3 + 3 + 1
+    monkeypatch.setattr(sim, "prompt_chunk", lambda b, n: 3)
+    assert run_mod.prompt_chunk(7, X0.shape[1], "cpu") == 3
+    chunked = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
+    assert chunked["states"].shape == whole["states"].shape == (len(layers.schedule) + 1,) + X0.shape
+    for a, b in zip(jax.tree_util.tree_leaves(chunked), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    t_chunked = sim.simulate_batch(layers, X0, sub, valid=V, save_states=True)
+    t_whole = sim.simulate_batch_jit(layers, X0, sub, V, None, None, rule="paper", attention="softmax",
+                                     keep_bias=None, save_states=True, measure_after=False)
+    for a, b in zip(jax.tree_util.tree_leaves(t_chunked), jax.tree_util.tree_leaves(t_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+
 def test_select_keeps_the_applied_layers_and_renumbers_the_schedule(sys_causal):
     """select of consecutive layers (a slice) and of scattered ones (a gather) keeps exactly
     the layers the schedule applies, renumbered onto them: the same arrays as indexing the

@@ -20,7 +20,7 @@ from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: publ
 from .layer import check_rule
 from .observers import alignment, consensus, final, finite, rotation_planes, states
 from .projections import prepared_projections
-from .run import measure_after_pays, run
+from .run import map_prompts, measure_after_pays, prompt_chunk, run
 from .subspaces import REFERENCES, Subspaces, reference_index
 
 
@@ -103,21 +103,23 @@ _STATIC = ("rule", "attention", "keep_bias", "save_states", "measure_after")
 simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
-def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, **kw):
+def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, chunk=None,
+                    **kw):
     f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule,
                               projections=projections, planes=planes, **kw)
-    return jax.vmap(f)(X0, valid)
+    return map_prompts(f, X0, valid, chunk)
 
 
-simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC)
+simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC + ("chunk",))
 
 
 def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "bool[B n] | None" = None,
                    rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
                    save_states: bool = False, schedule: "int[T] | None" = None,
                    positions: "int[n] | None" = None) -> Trajectory:
-    """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]":
-    every field of the :class:`Trajectory` gets a leading axis B.
+    """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]"
+    (on a CPU, short prompts in chunks: :func:`~powerlens.dynamics.run.prompt_chunk`): every
+    field of the :class:`Trajectory` gets a leading axis B.
 
     Validates the inputs (clear errors, never a silent NaN) and runs jit-compiled; small
     batches are measured after the scan (:func:`~powerlens.dynamics.run.measure_after_pays`).
@@ -130,7 +132,8 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     return simulate_batch_jit(layers, np.asarray(X0, layers.W_v.dtype), subspaces, valid, positions,
                               schedule, prepared_projections(layers, attention), rotation_planes(subspaces, layers),
                               rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
-                              measure_after=measure_after_pays(layers, X0, schedule))
+                              measure_after=measure_after_pays(layers, X0, schedule),
+                              chunk=prompt_chunk(*np.shape(X0)[:2]))
 
 
 def pooled(traj: Trajectory) -> dict:
