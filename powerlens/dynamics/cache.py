@@ -2,7 +2,7 @@
 
 The jitted entry points (``run_batch``, ``simulate_batch``) pass such values into their
 compiled programs, which would otherwise rebuild them on every call from weights that did not
-change: the (in, out) copies of the matmul weights, the fused q/k/v weight among them
+change: the (in, out) copies of the attention weights, the fused q/k/v weight among them
 (:func:`~powerlens.dynamics.projections.prepared_projections`), and the
 complex-pair planes of the alignment observer (:func:`~powerlens.dynamics.observers.rotation_planes`).
 JAX arrays are immutable, so the identity of the arrays names their contents; NumPy arrays

@@ -8,8 +8,8 @@ layer u = schedule[t] under ``rule``::
 and hands (x_t, x_{t+1}) to every observer (:mod:`powerlens.dynamics.observers`). Written
 for one prompt and one system: batch prompts, or sweep systems, with ``vmap``.
 
-Costs paid once, outside the scan: the (in, out) copies of every unique layer's matmul
-weights, the fused q/k/v weight among them
+Costs paid once, outside the scan: the (in, out) copies of every unique layer's attention
+weights, the fused q/k/v weight and W_o
 (:class:`~powerlens.dynamics.projections.Projections`; built once per set of weights, outside
 the compiled program, by the jitted entry points; weights traced by a caller's jit or grad
 are read in place, one layer's rows a step), and, for a single unique layer (a
@@ -50,7 +50,7 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         ``{"final": final(), "gamma": alignment(subspaces)}``.
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
-      projections: the (in, out) copies of every unique layer's matmul weights
+      projections: the (in, out) copies of every unique layer's attention weights
         (:class:`~powerlens.dynamics.projections.Projections` of ``layers``): the jitted entry
         points pass :func:`~powerlens.dynamics.projections.prepared_projections`' copy. When
         None (weights traced by the caller's jit or grad), each step reads its layer's rows in
