@@ -11,6 +11,9 @@ machine, jitted 200-step loops of one product, timed in turns:
     16 x (576, 576)        140-144 us       102-104 us
     1024 x (384, 384)      2.36-2.60 ms     2.35-2.57 ms    (equal: many tokens)
 
+For the fused q/k/v weight, MiniLM's 1,000-step shared layer on 32 tokens took 427 against
+450 ms, and 16 x 576 x 960 alone 100 against 137 us.
+
 :class:`Projections` holds those (in, out) copies for every unique layer, stacked:
 
     qkv   "float[U d (H+2G)e]"   W_q, W_k, W_v rows stacked, then transposed: one fused projection
@@ -61,10 +64,6 @@ def qkv_weight(layers) -> "float[U d (H+2G)e]":
     return columns(qkv_rows(layers.W_q, layers.W_k, layers.W_v))
 
 
-def _softmax(layers, attention: str) -> bool:
-    return attention == "softmax" and layers.W_q is not None and layers.W_k is not None
-
-
 @jax.jit
 def _build_softmax(layers) -> Projections:
     return Projections(qkv=qkv_weight(layers), out=columns(layers.W_o))
@@ -79,7 +78,7 @@ def prepared_projections(layers, attention: str = "softmax") -> Optional[Project
     """:class:`Projections` of concrete stacked layers for ``attention``, built once per set
     of weights and kept while they live; None for weights that are traced (inside jit or
     grad) or NumPy arrays (mutable: never cached)."""
-    if _softmax(layers, attention):
+    if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
         arrays = (layers.W_q, layers.W_k, layers.W_v, layers.W_o)
         return per_arrays("projections/softmax", arrays, lambda: _build_softmax(layers))
     return per_arrays("projections/out", (layers.W_o,), lambda: _build_out(layers.W_o))

@@ -145,20 +145,15 @@ def prompt_chunk(batch: int, tokens: int, platform: Optional[str] = None) -> Opt
 
 
 def map_prompts(one: Callable, X0: "float[B n d]", valid: "bool[B n]", chunk: Optional[int] = None, *,
-                steps_first: Optional[Mapping[str, bool]] = None):
+                out_axes: Any = 0):
     """``one(x, valid)`` (one prompt -> a pytree) over the prompts: one ``vmap``, or ``lax.map``
     steps of ``chunk`` prompts (:func:`prompt_chunk`; the last step takes the remainder).
-    Every output gets a leading prompt axis B, except that with ``steps_first``, ``one``
-    returns a dict and the names it marks True ("float[T+1 ...]" per prompt) come out
-    "float[T+1 B ...]"."""
-    first = [name for name, yes in (steps_first or {}).items() if yes]
+    ``out_axes``: where each output gets its prompt axis B, as in ``vmap`` (0 or 1)."""
     if chunk is None:
-        # the scan stacks each prompt's states step-major: with the prompt axis put second,
-        # "float[T+1 B n d]" comes out without the transpose that out_axes=0 then swapaxes would cost
-        out_axes = {name: int(name in first) for name in steps_first} if first else 0
         return jax.vmap(one, out_axes=out_axes)(X0, valid)
-    out = jax.lax.map(lambda xv: one(*xv), (X0, valid), batch_size=chunk)
-    return {name: jnp.swapaxes(a, 0, 1) if name in first else a for name, a in out.items()} if first else out
+    out = jax.lax.map(lambda xv: one(*xv), (X0, valid), batch_size=chunk)      # B first
+    move = lambda axis, sub: jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 0, axis), sub)
+    return jax.tree_util.tree_map(move, out_axes, out)      # out_axes: a prefix of out's tree
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe", "steps_first",
@@ -168,7 +163,10 @@ def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule
     one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
                            positions=positions, schedule=schedule, projections=projections, measure_after=measure_after,
                            observers={name: READY[name]() for name in observe})
-    return map_prompts(one, X0, valid, chunk, steps_first={name: steps_first and name == "states" for name in observe})
+    # the scan stacks each prompt's states step-major: with the prompt axis put second,
+    # "float[T+1 B n d]" comes out of one vmap without the transpose that axis 0 then swapaxes would cost
+    out_axes = {name: int(steps_first and name == "states") for name in observe}
+    return map_prompts(one, X0, valid, chunk, out_axes=out_axes)
 
 
 BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
