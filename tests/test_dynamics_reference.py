@@ -350,6 +350,30 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("B", [6, 7, 2])
+def test_map_prompts_puts_each_chunk_on_its_prompt_axis(B):
+    """map_prompts in chunks of 3 (B = 6: two whole steps; 7: a remainder of 1; 2: fewer
+    prompts than a chunk, one vmap) returns what one vmap returns, bit for bit, with each output's prompt
+    axis where out_axes puts it: axis 1 of a step-major "float[T B d]", axis 0 elsewhere."""
+    from powerlens.dynamics.run import map_prompts
+    rng = np.random.default_rng(B)
+    X0 = jnp.asarray(rng.standard_normal((B, 4, 5)).astype(np.float32))
+    valid = jnp.asarray(rng.random((B, 4)) > 0.3)
+
+    def one(x, v):          # a step-major stack "float[T d]" (T = 3), and a per-prompt scalar
+        steps = jnp.stack([jnp.sum(x * v[:, None], 0) * k for k in (1.0, 2.0, -0.5)])
+        return {"steps": steps, "count": jnp.sum(v)}
+
+    out_axes = {"steps": 1, "count": 0}
+    want = jax.vmap(one, out_axes=out_axes)(X0, valid)
+    got = jax.jit(lambda x, v: map_prompts(one, x, v, 3, out_axes=out_axes))(X0, valid)
+    assert got["steps"].shape == (3, B, 5) and got["count"].shape == (B,)
+    for name in want:
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    first = map_prompts(one, X0, valid, 3)                       # every output prompt-first
+    np.testing.assert_array_equal(np.asarray(first["steps"]), np.asarray(jax.vmap(one)(X0, valid)["steps"]))
+
+
 def test_select_keeps_the_applied_layers_and_renumbers_the_schedule(sys_causal):
     """select of consecutive layers (a slice) and of scattered ones (a gather) keeps exactly
     the layers the schedule applies, renumbered onto them: the same arrays as indexing the
