@@ -332,12 +332,13 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     assert prompt_chunk(8, 512, "cpu") is None                          # query blocks: no gain measured
     assert prompt_chunk(32, 128, "gpu") is None
     layers, sub, x0, valid = sys_causal
+    assert run_mod.platform_of(layers.W_v) == run_mod.platform_of(np.zeros(3)) == jax.default_backend()
     rng = np.random.default_rng(11)
     X0 = np.stack([x0] + [rng.standard_normal(x0.shape).astype(np.float32) for _ in range(6)])   # B = 7
     V = np.stack([valid] * 4 + [np.ones_like(valid)] * 3)
     whole = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
     monkeypatch.setattr(run_mod, "CHUNK_TOKENS_CPU", 3 * X0.shape[1])  # chunks of 3 prompts: 3 + 3 + 1
-    monkeypatch.setattr(sim, "prompt_chunk", lambda b, n: 3)
+    monkeypatch.setattr(sim, "prompt_chunk", lambda b, n, platform: 3)
     assert run_mod.prompt_chunk(7, X0.shape[1], "cpu") == 3
     chunked = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
     assert chunked["states"].shape == whole["states"].shape == (len(layers.schedule) + 1,) + X0.shape

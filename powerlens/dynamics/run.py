@@ -132,11 +132,23 @@ Longer prompts (query blocks) gained nothing: MiniLM 8 x 512 in chunks of 4 prom
 against 440-452 ms, of 1 or 2 prompts 486-514 ms."""
 
 
+def platform_of(array) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the device holding ``array``, where a program
+    reading it runs; ``jax.default_backend()`` for a host (NumPy) array."""
+    devices = getattr(array, "devices", None)
+    if callable(devices):
+        held = devices()
+        if held:
+            return next(iter(held)).platform
+    return jax.default_backend()
+
+
 def prompt_chunk(batch: int, tokens: int, platform: Optional[str] = None) -> Optional[int]:
-    """Prompts per ``lax.map`` step for ``batch`` prompts of ``tokens`` tokens
+    """Prompts per step of :func:`map_prompts` for ``batch`` prompts of ``tokens`` tokens
     (:data:`CHUNK_TOKENS_CPU`), or None: one ``vmap`` over the whole batch (any platform but
     the CPU, prompts over :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE` tokens, or a
-    batch that is one chunk already). ``platform``: default ``jax.default_backend()``."""
+    batch that is one chunk already). ``platform``: where the program runs (the entry points
+    pass :func:`platform_of` their weights); default ``jax.default_backend()``."""
     platform = jax.default_backend() if platform is None else platform
     if platform != "cpu" or tokens > BLOCKED_ABOVE:
         return None
@@ -229,4 +241,4 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     return _run_batch(layers, np.asarray(X0, layers.W_v.dtype), valid, positions, schedule,
                       prepared_projections(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after,
-                      chunk=prompt_chunk(*np.shape(X0)[:2]))
+                      chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))

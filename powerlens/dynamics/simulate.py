@@ -20,7 +20,7 @@ from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: publ
 from .layer import check_rule
 from .observers import alignment, consensus, final, finite, rotation_planes, states
 from .projections import prepared_projections
-from .run import map_prompts, measure_after_pays, prompt_chunk, run
+from .run import map_prompts, measure_after_pays, platform_of, prompt_chunk, run
 from .subspaces import REFERENCES, Subspaces, reference_index
 
 
@@ -133,7 +133,7 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
                               schedule, prepared_projections(layers, attention), rotation_planes(subspaces, layers),
                               rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule),
-                              chunk=prompt_chunk(*np.shape(X0)[:2]))
+                              chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))
 
 
 def pooled(traj: Trajectory) -> dict:
