@@ -354,8 +354,9 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
 @pytest.mark.parametrize("B", [6, 7, 2])
 def test_map_prompts_puts_each_chunk_on_its_prompt_axis(B):
     """map_prompts in chunks of 3 (B = 6: two whole steps; 7: a remainder of 1; 2: fewer
-    prompts than a chunk, one vmap) returns what one vmap returns, bit for bit, with each output's prompt
-    axis where out_axes puts it: axis 1 of a step-major "float[T B d]", axis 0 elsewhere."""
+    prompts than a chunk, one vmap) returns what one vmap returns, bit for bit, with each
+    output's prompt axis where out_axes puts it: axis 1 of a step-major "float[T B d]", axis 0
+    elsewhere."""
     from powerlens.dynamics.run import map_prompts
     rng = np.random.default_rng(B)
     X0 = jnp.asarray(rng.standard_normal((B, 4, 5)).astype(np.float32))

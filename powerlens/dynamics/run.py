@@ -123,7 +123,7 @@ def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | N
 
 CHUNK_TOKENS_CPU = 1024
 """On a CPU, a batch of prompts of at most :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE`
-tokens runs in ``lax.map`` steps of about this many tokens (:func:`prompt_chunk`): a chunk's
+tokens runs in steps of about this many tokens (:func:`prompt_chunk`, :func:`map_prompts`): a chunk's
 activations stay in the caches for the whole scan. Measured on this project's 2-core CPU
 machine, MiniLM, 32 prompts x 128 tokens, all states, timed in turns with one ``vmap`` over
 the 32: paper rule 278-292 ms in chunks of 8 prompts against 291-303 ms, 282-288 ms in chunks
