@@ -761,6 +761,38 @@ def try_compile(model, timing, report):
                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
 
 
+def source_commit() -> str:
+    """The checkout's commit (abbreviated, "+dirty" when tracked files differ from it), or "" when
+    git or the repository is not there."""
+    import subprocess
+    root = os.path.join(HERE, "..")
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return commit + ("+dirty" if dirty else "")
+
+
+def run_header(argv=None) -> str:
+    """The first line of a run's output: the command, the commit it ran at, the date, the CPU and
+    its cores (``benchmarks/vs_torch_runs.py`` reads the commit from it)."""
+    import platform
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    commit = source_commit()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return (f"# python benchmarks/vs_torch.py{' ' + args if args else ''}{' at ' + commit if commit else ''}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"jax {jax.__version__}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the small configuration the test suite runs")
@@ -785,6 +817,7 @@ def main(argv=None):
                         for k, v in line.items() if k not in keys)
         print(f"{head:<45} {nums}", flush=True)
 
+    print(run_header(argv))
     matmul_timing = Timing(1 if args.tiny else 3, timing.min_seconds)
     gj, gt = matmul_rates(matmul_timing)
     print(f"matmul 2048^3 float32: jax {gj:.0f} GFLOP/s, torch {gt:.0f} GFLOP/s (torch threads "

@@ -108,3 +108,80 @@ def test_memory_script_quick(tmp_path, capsys):
     assert load["model"] == "minilm" and "error" not in load, load
     assert load["peak"] >= load["baseline_rss"] > 0 and load["param_bytes"] > 0
     assert load["bound"] == 1.5 * load["param_bytes"]
+
+
+def _saved_run(path, commit, matmul, a, measures, rates, bcde):
+    """A file in vs_torch.py's output format with the given numbers (B-E only when ``a`` is empty)."""
+    lines = [f"# python benchmarks/vs_torch.py at {commit}, test"] if commit else []
+    lines.append(f"matmul 2048^3 float32: jax {matmul[0]} GFLOP/s, torch {matmul[1]} GFLOP/s (torch threads 2)")
+    for key, ratio in a.items():
+        model, size, rule = key.split()
+        lines.append(f"A {model} {size} {rule} states    powerlens_s=0.1 torch_s=0.1 ratio={ratio} rel_err=1e-07")
+        if key in measures:
+            lines.append(f"A {model} {size} {rule} measures    powerlens_s=0.1 torch_s=0.1 ratio=1.0 "
+                         f"measures_over_states={measures[key]}")
+    if a:
+        lines.append("matmul 2048^3 float32 after A: jax 180 GFLOP/s; the rates below are against 180")
+    for key, pct in rates.items():
+        lines.append(f"A {key} paper states: 120 GFLOP/s, {pct} % of the large matmul")
+    names = {"B": "B minilm layer 3 1x32 paper T=1000", "C": "C minilm 4x32 paper grad W_o",
+             "D": "D 256 synthetic systems 256x32 paper T=200",
+             "E_solve": "E minilm last layer 64 dirs paper solve 200 Adam steps",
+             "E_api": "E minilm last layer 64 dirs paper api 200 Adam steps"}
+    for key, ratio in bcde.items():
+        lines.append(f"{names[key]}    powerlens_s=0.1 torch_s=0.1 ratio={ratio} abs_err=1e-07")
+        if key == "C":      # the whole-scan gradient is not the C target's row
+            lines.append(f"C minilm 4x32 paper grad W_o whole scan    powerlens_s=0.3 torch_s=0.1 ratio=0.33")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
+    """benchmarks/vs_torch_runs.py on three made-up runs: run 1 and run 2 (whose B-E come from an
+    ``--only B,C,D,E`` file) are counted, the throttled run 3 is shown but left out. Each number
+    is what the files say, and the medians and counts are worked out by hand below."""
+    import vs_torch_runs as VR
+    a1 = {"minilm 1x16 paper": 1.4, "minilm 8x128 paper": 0.9, "smollm2 8x128 paper": 1.1}
+    a2 = {"minilm 1x16 paper": 1.2, "minilm 8x128 paper": 1.0, "smollm2 8x128 paper": 1.3}
+    files = [
+        _saved_run(tmp_path / "vs_torch_2core_cpu.txt", "abc1234", (190, 170), a1,
+                   {"minilm 8x128 paper": 1.20}, {"minilm 8x128": 81, "smollm2 8x128": 60},
+                   {"B": 1.31, "C": 1.1, "D": 2.9, "E_solve": 30, "E_api": 14}),
+        _saved_run(tmp_path / "vs_torch_2core_cpu_run2.txt", "", (150, 160), a2,
+                   {"minilm 8x128 paper": 1.05}, {"minilm 8x128": 70, "smollm2 8x128": 62},
+                   {"B": 0.5, "C": 0.5, "D": 0.5, "E_solve": 1, "E_api": 1}),
+        _saved_run(tmp_path / "vs_torch_2core_cpu_run2_BCDE.txt", "def5678", (150, 160), {}, {}, {},
+                   {"B": 1.25, "C": 1.3, "D": 2.4, "E_solve": 40, "E_api": 16}),
+        _saved_run(tmp_path / "vs_torch_2core_cpu_run3_throttled.txt", "0123abc", (70, 70),
+                   {"minilm 1x16 paper": 0.1}, {}, {}, {"B": 9.0}),
+    ]
+    out = VR.main(files)
+    assert out == capsys.readouterr().out.splitlines()
+    runs = VR.collect(files)
+    assert [(r.number, r.note, r.counted) for r in runs] == [(1, "", True), (2, "", True), (3, "throttled", False)]
+    r1, r2, r3 = runs
+    assert r1.commit == "abc1234" and r2.commit == "" and r1.matmul_before == (190, 170)
+    # run 1: lowest 0.9, median of (1.4, 0.9, 1.1) = 1.1; run 2's B-E are the BCDE file's, C is
+    # never the whole-scan row
+    assert (r1.value("a_min"), r1.value("a_median"), r1.value("measures_worst")) == (0.9, 1.1, 1.2)
+    assert (r2.value("a_min"), r2.value("a_median")) == (1.0, 1.2)
+    assert r2.bcde == {"B": 1.25, "C": 1.3, "D": 2.4, "E_solve": 40, "E_api": 16}
+    assert r2.bcde_from == "vs_torch_2core_cpu_run2_BCDE.txt" and r1.bcde["C"] == 1.1
+    rows = {line.split(" | ")[0]: line for line in out if line.startswith("| ")}
+    assert rows["| 1"] == ("| 1 | abc1234 | 190 / 170 | 0.90× | 1.10× | 1.20 | 81 / 60 % | 1.31× | 1.10× | 2.90× "
+                           "| 30× / 14× |")
+    assert rows["| 2"] == "| 2 | – | 150 / 160 | 1.00× | 1.20× | 1.05 | 70 / 62 % | 1.25× | 1.30× | 2.40× | 40× / 16× |"
+    assert rows["| 3, throttled"].startswith("| 3, throttled | 0123abc | 70 / 70 | 0.10× |")
+    # over runs 1 and 2 only: medians of two are their means; A lowest met by run 2 (1.0 >= 1.0),
+    # A median by run 2 (1.2), measures by run 2 (1.05 <= 1.15), MiniLM's rate by run 1, SmolLM2's
+    # by none, B by run 1 (1.31), C by run 2 (1.3), D by run 1 (2.9), E by both
+    assert rows["| median over the runs"] == ("| median over the runs | | | 0.95× | 1.15× | 1.12 | 76 / 61 % | 1.28× "
+                                              "| 1.20× | 2.65× | 35× / 15× |")
+    assert rows["| runs meeting the target"] == ("| runs meeting the target | | | 1/2 | 1/2 | 1/2 | 1/2, 0/2 | 1/2 | 1/2 "
+                                                 "| 1/2 | 2/2, 2/2 |")
+    assert "Left out of the medians and counts: run 3, throttled." in out
+    # a B-E file whose run has no workload A anywhere is an error naming the file
+    orphan = _saved_run(tmp_path / "vs_torch_2core_cpu_run7_BCDE.txt", "", (1, 1), {}, {}, {}, {"B": 1.0})
+    with pytest.raises(SystemExit):
+        VR.main(files + [orphan])
+    assert "vs_torch_2core_cpu_run7_BCDE.txt: B-E of run 7" in capsys.readouterr().err
