@@ -53,6 +53,27 @@ def test_sweep_equals_individual_runs():
         np.testing.assert_allclose(np.asarray(traj.consensus[i]), np.asarray(one.consensus[0]), atol=1e-6)
 
 
+def test_traced_shared_layer_is_read_through_in_out_copies_built_once():
+    """A one-layer system whose weights are traced (a sweep's systems, inside its jit) is read
+    through (in, out) copies built once before the scan, as the jitted entry points' cached
+    copies are: the scan's loop-invariant inputs hold the fused q/k/v weight "float[d 3He]" and
+    W_o^T "float[He d]" (d = 8, 2 heads of 5: He = 10), not the rows, and the states are those of
+    the concrete path. (Measured: benchmarks/vs_torch.py's sweep D, 0.91-0.92 of the time.)"""
+    import jax
+
+    from powerlens.dynamics.run import run
+    L = pl.synthetic_system([1.4, 0.3], kind="symmetric", heads=2, d=8, d_head=5, seed=1, steps=4)
+    x0 = pl.sphere_tokens(np.random.default_rng(0), 5, 8).astype(np.float32)
+    states = lambda lay: run(lay, x0, None, rule="paper", attention="softmax", observers={"states": pl.states()})["states"]
+    jaxpr = jax.make_jaxpr(states)(L)
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    invariant = [tuple(v.aval.shape) for v in scan.invars[:scan.params["num_consts"]]]
+    assert (8, 30) in invariant and (10, 8) in invariant, invariant
+    assert (8, 10) not in invariant and (2, 5, 8) not in invariant, invariant     # no rows: W_o, W_q "float[H e d]"
+    np.testing.assert_array_equal(np.asarray(jax.jit(states)(L)), np.asarray(pl.run_batch(
+        L, x0, observe=("states",))["states"][0]))
+
+
 def test_sharded_sweep_matches_unsharded():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)

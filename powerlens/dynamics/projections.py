@@ -28,7 +28,9 @@ while they would double the FFN's memory.
 attention weights, kept while they live: :func:`~powerlens.dynamics.cache.per_arrays`); the
 jitted entry points pass them into their compiled program, and each step reads its layer's
 slice. A step given none (weights traced by the caller's jit or grad) reads the layer's rows
-in place, X @ W^T, so no transposed copy is built inside a differentiated program.
+in place, X @ W^T, so no transposed copy of every layer is built inside a differentiated
+program; :func:`~powerlens.dynamics.run.run` builds the copies of a single unique layer (a
+shared-weight system, traced or not) once before its scan, with :func:`build_projections`.
 """
 from __future__ import annotations
 
@@ -64,21 +66,26 @@ def qkv_weight(layers) -> "float[U d (H+2G)e]":
     return columns(qkv_rows(layers.W_q, layers.W_k, layers.W_v))
 
 
-@jax.jit
-def _build_softmax(layers) -> Projections:
-    return Projections(qkv=qkv_weight(layers), out=columns(layers.W_o))
+def _needs_qkv(layers, attention: str) -> bool:
+    return attention == "softmax" and layers.W_q is not None and layers.W_k is not None
 
 
-@jax.jit
-def _build_out(W_o) -> Projections:
-    return Projections(out=columns(W_o))
+def build_projections(layers, attention: str = "softmax") -> Projections:
+    """:class:`Projections` of ``layers`` (stacked "float[U ...]", or one layer with the leading
+    axis removed) for ``attention``, built now: no cache, so traced weights too. ``qkv`` only for
+    softmax attention on layers with W_q and W_k."""
+    qkv = qkv_weight(layers) if _needs_qkv(layers, attention) else None
+    return Projections(qkv=qkv, out=columns(layers.W_o))
+
+
+_build = jax.jit(build_projections, static_argnames="attention")
 
 
 def prepared_projections(layers, attention: str = "softmax") -> Optional[Projections]:
     """:class:`Projections` of concrete stacked layers for ``attention``, built once per set
     of weights and kept while they live; None for weights that are traced (inside jit or
     grad) or NumPy arrays (mutable: never cached)."""
-    if attention == "softmax" and layers.W_q is not None and layers.W_k is not None:
+    if _needs_qkv(layers, attention):
         arrays = (layers.W_q, layers.W_k, layers.W_v, layers.W_o)
-        return per_arrays("projections/softmax", arrays, lambda: _build_softmax(layers))
-    return per_arrays("projections/out", (layers.W_o,), lambda: _build_out(layers.W_o))
+        return per_arrays("projections/softmax", arrays, lambda: _build(layers, attention))
+    return per_arrays("projections/out", (layers.W_o,), lambda: _build(layers, attention))
