@@ -153,3 +153,21 @@ def test_documented_commands_exist():
     with open(os.path.join(ROOT, ".ci", "run")) as fh:
         ci = fh.read()
     assert "make test" in ci and "make test" in _readme()
+
+
+def test_vs_torch_runs_table_is_the_scripts():
+    """The README's table of every vs_torch run is what ``python benchmarks/vs_torch_runs.py``
+    prints from the saved outputs in docs/benchmarks/ (footnote marks aside), so no run's
+    number is copied by hand, and every saved run is in it."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vs_torch_runs.py")],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    printed = [line for line in out if line.startswith("|")]
+    text = re.sub(r" [¹²³⁴⁵⁶⁷⁸⁹]", "", _readme())
+    start = text.index(printed[0])
+    assert text[start:start + len("\n".join(printed))].splitlines() == printed
+    assert "python benchmarks/vs_torch_runs.py" in text
+    for line in out:
+        if line.startswith("Left out"):
+            assert line in text
