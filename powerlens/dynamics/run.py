@@ -14,9 +14,9 @@ weights, the fused q/k/v weight and W_o
 the compiled program, by the jitted entry points; weights traced by a caller's jit or grad
 are read in place, one layer's rows a step, except a single unique layer's, whose copies are
 built once before the scan), and, for a single unique layer (a shared-weight system), that
-layer's parameters (no gather per step). A compact static
-schedule (:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one
-step per layer) is scanned by its length alone: no "int[T]" index array is built.
+layer's parameters (no gather per step). A compact static schedule
+(:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one step per
+layer) is scanned by its length alone: no "int[T]" index array is built.
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         None (weights traced by the caller's jit or grad), each step reads its layer's rows in
         place, X @ W^T: no copy of every layer is built inside the program. A single unique
         layer (a shared-weight system, e.g. each system of a sweep) is the exception: its
-        copies are built once before the scan, which all T steps then read (benchmarks/vs_torch.py's
-        sweep D, 256 systems of 200 steps: 0.91-0.92 of the time, the same states).
+        copies are built once before the scan, which all T steps then read
+        (benchmarks/vs_torch.py's sweep D, 256 systems of 200 steps: 0.91-0.92 of the time,
+        the same states).
       measure_after: keep every state "float[T+1 n d]" in the scan and measure them all at once
         afterwards (each observer's ``of_states``), instead of step by step. The same numbers;
         faster when the states are small (fewer, larger kernels), slower and O(T n d) memory
