@@ -32,7 +32,9 @@ that the two agree, then times each side (best of ``--repeat``, and of as many c
 
 Run ``python benchmarks/vs_torch.py`` (add ``--tiny`` for the small configuration the test
 suite runs, ``--only A,B`` to pick workloads, ``--models minilm --sizes 8x128`` to narrow A).
-The matmul ceiling (a 2048^3 float32 matmul in each framework) is printed first, and again
+A header line comes first (the command, the commit, the date, the CPU, the versions:
+:func:`run_header`; ``benchmarks/vs_torch_runs.py`` reads saved outputs into one table of every
+run). The matmul ceiling (a 2048^3 float32 matmul in each framework) is printed next, and again
 after workload A, followed by each paper-rule row's matmul rate (its matmul FLOPs over its
 time, :func:`paper_flops`) as a fraction of the faster of JAX's two large-matmul rates. Each
 line prints the powerlens / torch speed ratio (> 1: powerlens is faster).
