@@ -85,7 +85,7 @@ def prepared_projections(layers, attention: str = "softmax") -> Optional[Project
     """:class:`Projections` of concrete stacked layers for ``attention``, built once per set
     of weights and kept while they live; None for weights that are traced (inside jit or
     grad) or NumPy arrays (mutable: never cached)."""
-    if _needs_qkv(layers, attention):
-        arrays = (layers.W_q, layers.W_k, layers.W_v, layers.W_o)
-        return per_arrays("projections/softmax", arrays, lambda: _build(layers, attention))
-    return per_arrays("projections/out", (layers.W_o,), lambda: _build(layers, attention))
+    qkv = _needs_qkv(layers, attention)
+    tag, arrays = (("projections/softmax", (layers.W_q, layers.W_k, layers.W_v, layers.W_o)) if qkv
+                   else ("projections/out", (layers.W_o,)))
+    return per_arrays(tag, arrays, lambda: _build(layers, attention))
