@@ -12,12 +12,19 @@ lent accelerator machine:
     E  gradient steering of MiniLM's last layer over 64 directions, 200 Adam steps: the
        vmapped optimiser alone (solve_many_jit) and end to end (optimize_steering)
 
+On a GPU, workload A also runs the paper rule's states in bfloat16 twice: with XLA's attention
+and with cuDNN's fused flash attention (``LayerConfig.attention_block="cudnn"``, i.e.
+``jax.nn.dot_product_attention(implementation="cudnn")``; cuDNN has no float32 kernel, and
+powerlens computes in float32 otherwise), each cuDNN entry with its largest difference from
+the XLA states. Elsewhere those entries say why they were skipped.
+
 Each entry holds the best of ``--repeat`` timed calls after a compiling warm-up, and the
 compile time of that warm-up. torch is not needed.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -52,6 +59,32 @@ def tokens(model, B, n, seed=0):
     rng = np.random.default_rng(seed)
     ids = rng.integers(5, min(model.embeddings["word"].shape[0], 20000), size=(B, n))
     return pl.embed_ids(model, ids, np.ones((B, n), bool))
+
+
+def in_bfloat16(model, attention_block=None):
+    """``model`` with its layers cast to bfloat16 and ``attention_block`` set ("cudnn": cuDNN's
+    fused attention)."""
+    cast = lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+    layers = jax.tree_util.tree_map(cast, model.layers)
+    return model.replace(layers=layers.replace(config=dataclasses.replace(layers.config,
+                                                                          attention_block=attention_block)))
+
+
+def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
+    """Workload A's bfloat16 states with XLA's and with cuDNN's attention (GPU only)."""
+    from powerlens.dynamics.attention import check_fused_attention
+    size = f"{B}x{n}"
+    try:
+        check_fused_attention(model.layers.layer(0), jnp.bfloat16)
+    except ValueError as exc:
+        add(workload="A", model=name, size=size, rule="paper", what="states bfloat16 cudnn", skipped=str(exc))
+        return
+    xla, fused = in_bfloat16(model), in_bfloat16(model, "cudnn")
+    run = lambda m: pl.run_states(m, x0, valid, rule="paper")
+    add(workload="A", model=name, size=size, rule="paper", what="states bfloat16 xla", **timed(lambda: run(xla), repeat))
+    diff = jnp.max(jnp.abs((run(fused) - run(xla)).astype(jnp.float32)))
+    add(workload="A", model=name, size=size, rule="paper", what="states bfloat16 cudnn",
+        max_abs_diff_from_xla=float(diff), **timed(lambda: run(fused), repeat))
 
 
 def steering_problem(model, K, steps):
@@ -103,6 +136,7 @@ def main(argv=None):
                     **timed(lambda: pl.run_states(model, x0, valid, rule=rule), args.repeat))
             add(workload="A", model=name, size=f"{B}x{n}", rule="paper", what="measures",
                 **timed(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid), args.repeat))
+            fused_attention_entries(name, model, B, n, x0, valid, add, args.repeat)
     steps = 20 if args.tiny else 1000
     shared = minilm.replace(layers=minilm.layers.shared(3, steps))
     x0, valid = tokens(minilm, 1, 32)

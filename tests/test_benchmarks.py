@@ -67,7 +67,8 @@ def test_paper_flops_counts_the_four_matmuls():
 @pytest.mark.slow
 def test_gpu_script_runs_on_cpu(tmp_path):
     """benchmarks/gpu.py (workloads A-E, powerlens only) runs on whatever device JAX sees and
-    writes a JSON of timings: every workload present, every time positive."""
+    writes a JSON of timings: every workload present, every time positive; the cuDNN entries
+    (GPU only) say why they were skipped."""
     import json
 
     import gpu
@@ -75,8 +76,11 @@ def test_gpu_script_runs_on_cpu(tmp_path):
     doc = gpu.main(["--tiny", "--repeat", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert {r["workload"] for r in doc["results"]} == {"A", "B", "C", "D", "E"}
-    assert all(r["seconds"] > 0 for r in doc["results"])
+    skipped = [r for r in doc["results"] if "skipped" in r]
+    assert all(r["seconds"] > 0 for r in doc["results"] if r not in skipped)
     assert doc["platform"] == "cpu"
+    assert len(skipped) == 2 and all(r["what"] == "states bfloat16 cudnn" and "needs an NVIDIA GPU" in r["skipped"]
+                                     for r in skipped)
 
 
 @pytest.mark.slow
@@ -185,3 +189,24 @@ def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
     with pytest.raises(SystemExit):
         VR.main(files + [orphan])
     assert "vs_torch_2core_cpu_run7_BCDE.txt: B-E of run 7" in capsys.readouterr().err
+
+
+def test_gpu_script_fused_attention_entries(monkeypatch):
+    """benchmarks/gpu.py's GPU-only entries, with cuDNN's call made through XLA and its GPU check
+    passed: the bfloat16 states with and without attention_block='cudnn' are timed and agree."""
+    import functools
+
+    import gpu
+    import powerlens as pl
+    from powerlens.dynamics import attention
+    monkeypatch.setattr(attention, "check_fused_attention", lambda lp, dtype: None)
+    monkeypatch.setattr(attention, "fused_attention_mix",
+                        functools.partial(attention.fused_attention_mix, implementation="xla"))
+    model = pl.load("minilm")
+    x0, valid = gpu.tokens(model, 2, 8)
+    entries = []
+    gpu.fused_attention_entries("minilm", model, 2, 8, x0, valid, lambda **e: entries.append(e), 1)
+    assert [e["what"] for e in entries] == ["states bfloat16 xla", "states bfloat16 cudnn"]
+    assert all(e["seconds"] > 0 for e in entries)
+    assert entries[1]["max_abs_diff_from_xla"] < 0.05            # bfloat16 unit tokens, two orders of sums
+    assert gpu.in_bfloat16(model, "cudnn").layers.W_q.dtype == gpu.jnp.bfloat16

@@ -113,11 +113,23 @@ def test_blocked_is_differentiable_jittable_and_vmappable():
 def test_run_gives_the_same_states_dense_and_blocked(causal):
     """The whole layer scan, with RoPE, GQA, windows per layer and padded prompts: the
     ``attention_block`` setting changes how A is computed, not the states."""
-    import dataclasses
     import powerlens as pl
+    with_block, x0, valid = _windowed_system(causal, e=4, seed=1)
+    dense = np.asarray(pl.run_batch(with_block(0), x0, valid, observe=("states",))["states"])
+    keep = valid[:, None].repeat(dense.shape[1], 1)
+    for b in (None, 4, 64):
+        blocked = np.asarray(pl.run_batch(with_block(b), x0, valid, observe=("states",))["states"])
+        np.testing.assert_allclose(blocked[keep], dense[keep], atol=2e-5)
+
+
+def _windowed_system(causal, *, e, seed):
+    """(attention_block -> 3 random layers of 4 query heads over 2 key/value heads of e dims,
+    d = 16, windows 0, 3 and 5, RoPE when causal; x0 "float[2 11 16]", valid, the second
+    prompt padded after 7 tokens)."""
+    import dataclasses
     from powerlens.dynamics.params import LayerConfig, make_layers
-    rng = np.random.default_rng(1)
-    U, H, G, e, d, n = 3, 4, 2, 4, 16, 11
+    rng = np.random.default_rng(seed)
+    U, H, G, d, n = 3, 4, 2, 16, 11
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=causal, norm="l2",
                       rope_theta=100.0 if causal else None)
     layers = make_layers(rng.standard_normal((U, G, e, d)) / 4, rng.standard_normal((U, d, H * e)) / 4,
@@ -126,16 +138,71 @@ def test_run_gives_the_same_states_dense_and_blocked(causal):
     x0 = rng.standard_normal((2, n, d)).astype(np.float32)
     valid = np.ones((2, n), bool)
     valid[1, 7:] = False
-    with_block = lambda b: layers.replace(config=dataclasses.replace(cfg, attention_block=b))
-    dense = np.asarray(pl.run_batch(with_block(0), x0, valid, observe=("states",))["states"])
-    for b in (None, 4, 64):
-        blocked = np.asarray(pl.run_batch(with_block(b), x0, valid, observe=("states",))["states"])
-        np.testing.assert_allclose(blocked[valid[:, None].repeat(U + 1, 1)], dense[valid[:, None].repeat(U + 1, 1)],
-                                   atol=2e-5)
+    return lambda b: layers.replace(config=dataclasses.replace(cfg, attention_block=b)), x0, valid
 
 
 def test_attention_block_must_be_a_size():
     from powerlens.dynamics.params import LayerConfig
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="attention_block"):
+            LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block=bad)
+
+
+@pytest.mark.parametrize("n", [9, 16])
+@pytest.mark.parametrize("causal,window", [(False, 0), (True, 0), (True, 4), (False, 3)])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_fused_call_equals_dense(n, causal, window, groups):
+    """``attention_block="cudnn"``'s one ``jax.nn.dot_product_attention`` call, made here through
+    XLA (cuDNN needs a GPU): the additive mask (causal, window, padding keys), the pre-scaled
+    queries and the grouped key/value heads give the textbook masked softmax."""
+    from powerlens.dynamics import attention
+    q, _, _, valid = case(n, seed=n * 19 + groups, H=6)
+    _, k, v, _ = case(n, seed=n * 23 + groups, H=6 // groups)
+    got = attention.fused_attention_mix(_Lp(causal, window, None), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                        jnp.asarray(valid), implementation="xla")
+    ref = dense(q, np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1), valid, 0.5, causal, window, None)
+    ok = valid if causal or window else np.ones(n, bool)
+    np.testing.assert_allclose(np.asarray(got)[ok], ref[ok], atol=2e-6, rtol=1e-5)
+
+
+def test_run_through_the_fused_call_gives_the_same_states(monkeypatch):
+    """The layer scan with ``attention_block="cudnn"`` (RoPE, grouped heads, a window per layer,
+    a padded prompt), its call made through XLA and its GPU check passed: the states of the
+    default path. On this CPU the setting itself is refused, in one line."""
+    import functools
+    import powerlens as pl
+    from powerlens.dynamics import attention
+    with_block, x0, valid = _windowed_system(True, e=8, seed=2)
+    fused = with_block("cudnn")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="attention_block='cudnn' needs an NVIDIA GPU"):
+            pl.run_batch(fused, x0, valid, observe=("states",))
+    monkeypatch.setattr(attention, "check_fused_attention", lambda lp, dtype: None)
+    monkeypatch.setattr(attention, "fused_attention_mix",
+                        functools.partial(attention.fused_attention_mix, implementation="xla"))
+    got = np.asarray(pl.run_batch(fused, x0, valid, observe=("states",))["states"])
+    ref = np.asarray(pl.run_batch(with_block(None), x0, valid, observe=("states",))["states"])
+    keep = valid[:, None].repeat(ref.shape[1], 1)
+    np.testing.assert_allclose(got[keep], ref[keep], atol=2e-5)
+
+
+def test_fused_attention_names_what_it_lacks():
+    """Where cuDNN's attention cannot run, one line says why: no GPU, a float32 system, a
+    soft-capped layer, a head dim it has no kernel for. Any other string is not a setting."""
+    import types
+    from powerlens.dynamics.attention import check_fused_attention
+    from powerlens.dynamics.params import LayerConfig
+    lp = lambda cap=None, e=64: types.SimpleNamespace(config=types.SimpleNamespace(attn_softcap=cap, d_head=e))
+    check_fused_attention(lp(), jnp.bfloat16, backend="gpu")                  # applies: nothing raised
+    check_fused_attention(lp(), jnp.float16, backend="gpu")
+    for args, why in (((lp(), jnp.bfloat16, "cpu"), "needs an NVIDIA GPU.*'cpu'"),
+                      ((lp(), jnp.float32, "gpu"), "float16 or bfloat16 system.*float32"),
+                      ((lp(cap=50.0), jnp.bfloat16, "gpu"), "soft-cap.*attn_softcap=50.0"),
+                      ((lp(e=12), jnp.bfloat16, "gpu"), "multiple of 8.*d_head=12"),
+                      ((lp(e=512), jnp.bfloat16, "gpu"), "at most 256.*d_head=512")):
+        with pytest.raises(ValueError, match=why):
+            check_fused_attention(*args[:2], backend=args[2])
+    assert LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block="cudnn").attention_block == "cudnn"
+    for bad in ("cuDNN", "xla", "128"):
+        with pytest.raises(ValueError, match="attention_block.*'cudnn'"):
             LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block=bad)

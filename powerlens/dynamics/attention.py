@@ -14,7 +14,9 @@ Modes (design.md §1):
 
 All functions are written for one prompt, X "float[n d]", ``valid`` "bool[n]", and are
 batched with ``vmap``. Softmax attention has one implementation: q, k and v come from one
-fused projection (:func:`~powerlens.dynamics.projections.qkv_weight`), then the masked softmax.
+fused projection (:func:`~powerlens.dynamics.projections.qkv_weight`), then the masked softmax,
+scheduled dense, by query blocks or by key blocks, or handed to cuDNN's fused kernel on a GPU
+(``LayerConfig.attention_block``; :func:`softmax_attention_mix`).
 """
 from __future__ import annotations
 
@@ -207,10 +209,16 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
                       tokens, query blocks of :data:`QUERY_BLOCK` above (:func:`query_blocked_mix`);
       0               one dense block, the whole "float[H n n]" score tensor;
       k > 0           the online softmax over blocks of k keys of
-                      :func:`powerlens.dynamics.blocked.blocked_attention_mix`, "float[H n k]" at a time.
+                      :func:`powerlens.dynamics.blocked.blocked_attention_mix`, "float[H n k]" at a time;
+      "cudnn"         cuDNN's fused flash attention (:func:`fused_attention_mix`), where it
+                      applies (:func:`check_fused_attention`: an NVIDIA GPU, a float16 or
+                      bfloat16 system).
     """
     q, k, v = _softmax_qkv(lp, X, positions, qkv)                       # (H, n, e), (G, n, e)
     n, setting, r = X.shape[0], lp.config.attention_block, lp.config.kv_group
+    if setting == FUSED:                                                # cuDNN's fused kernel
+        check_fused_attention(lp, q.dtype)
+        return fused_attention_mix(lp, *(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), valid)
     qblock = QUERY_BLOCK if setting is None and n > BLOCKED_ABOVE else n
     if r > 1 and (setting or qblock == n):
         # key blocks, and one dense block, read the keys and values repeated to the H query heads:
@@ -222,6 +230,47 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
         return blocked_attention_mix(q, k, v, valid, scale=lp.scale, causal=lp.config.causal, window=lp.window,
                                      cap=lp.config.attn_softcap, block=int(setting))
     return jnp.swapaxes(query_blocked_mix(lp, q, k, v, valid, qblock), 0, 1)
+
+
+FUSED = "cudnn"
+"""``LayerConfig.attention_block`` of cuDNN's fused attention (:func:`fused_attention_mix`)."""
+
+
+def check_fused_attention(lp, dtype, backend=None):
+    """A one-line ValueError naming what keeps cuDNN's fused attention
+    (``attention_block="cudnn"``) from this layer, or nothing: it needs JAX's GPU backend
+    (``backend``, default ``jax.default_backend()``), a float16 or bfloat16 system (cuDNN has
+    no float32 attention kernel; powerlens loads float32), no attention-logit soft-cap
+    (Gemma 2), and head dims that are multiples of 8 up to 256 (cuDNN itself allows 128 before
+    Hopper, and says so when it is called)."""
+    where = "LayerConfig.attention_block='cudnn'"
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "gpu":
+        raise ValueError(f"{where} needs an NVIDIA GPU (cuDNN); JAX's backend here is {backend!r}: "
+                         "leave attention_block None")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{where} needs a float16 or bfloat16 system (cuDNN has no float32 attention); this "
+                         f"system is {jnp.dtype(dtype).name}: cast its layers first, or leave attention_block None")
+    if lp.config.attn_softcap is not None:
+        raise ValueError(f"{where}: cuDNN has no attention-logit soft-cap, and this layer has "
+                         f"attn_softcap={lp.config.attn_softcap}")
+    e = lp.config.d_head
+    if e % 8 or e > 256:
+        raise ValueError(f"{where} needs a head dim that is a multiple of 8 and at most 256, got d_head={e}")
+
+
+def fused_attention_mix(lp, q, k, v, valid, *, implementation: str = FUSED):
+    """M "float[n H e]" of token-major q "float[n H e]", k, v "float[n G e]" by one
+    ``jax.nn.dot_product_attention`` call: cuDNN's fused flash attention on a GPU
+    (``implementation="cudnn"``; ``"xla"`` makes the same call through XLA, which is how the
+    tests check its arguments on a CPU). The query heads of a group read their G key/value
+    heads as they are. The mask is :func:`key_bias` (causal, local window, padding keys) as
+    an additive bias "float[1 1 n n]"; q is multiplied by the layer's scale beforehand, since
+    the call takes its scale as a Python number and the layer's is an array (one per layer,
+    traced in the scan). No soft-cap (:func:`check_fused_attention`)."""
+    bias = key_bias(q.shape[0], valid, causal=lp.config.causal, window=lp.window, dtype=q.dtype)
+    return jax.nn.dot_product_attention(q * jnp.asarray(lp.scale, q.dtype), k, v, bias=bias[None, None],
+                                        scale=1.0, implementation=implementation)
 
 
 def uniform_weights(n: int, valid, causal: bool, dtype=jnp.float32):

@@ -33,7 +33,7 @@ short explicit tuple of group indices. Weights are never tiled.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +76,10 @@ class LayerConfig:
         :data:`~powerlens.dynamics.attention.QUERY_BLOCK` above ("float[H 128 n]" at a time;
         a causal block reads only the keys up to its last query); ``0`` always dense (the
         whole "float[H n n]" score tensor); ``k > 0`` always by blocks of k keys (online
-        softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`).
+        softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`); ``"cudnn"``
+        cuDNN's fused flash attention through ``jax.nn.dot_product_attention``, for float16 or
+        bfloat16 systems on an NVIDIA GPU
+        (:func:`~powerlens.dynamics.attention.check_fused_attention` says what else it needs).
     """
 
     d_model: int
@@ -94,7 +97,7 @@ class LayerConfig:
     family: str = "synthetic"
     attn_softcap: Optional[float] = None
     parallel_residual: bool = False
-    attention_block: Optional[int] = None
+    attention_block: Optional[Union[int, str]] = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -127,10 +130,11 @@ class LayerConfig:
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
-        if self.attention_block is not None and (isinstance(self.attention_block, (bool, np.bool_)) or not isinstance(
-                self.attention_block, (int, np.integer)) or self.attention_block < 0):
-            raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense) or a positive "
-                             f"block size, got {self.attention_block!r}")
+        if self.attention_block is not None and self.attention_block != "cudnn" and (
+                isinstance(self.attention_block, (bool, np.bool_, str))
+                or not isinstance(self.attention_block, (int, np.integer)) or self.attention_block < 0):
+            raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense), a positive "
+                             f"block size or 'cudnn', got {self.attention_block!r}")
 
     @property
     def kv_group(self) -> int:
