@@ -193,7 +193,8 @@ def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
 
 def test_gpu_script_fused_attention_entries(monkeypatch):
     """benchmarks/gpu.py's GPU-only entries, with cuDNN's call made through XLA and its GPU check
-    passed: the bfloat16 states with and without attention_block='cudnn' are timed and agree."""
+    passed: the bfloat16 states with and without attention_block='cudnn' are timed and agree; a
+    failing cuDNN call becomes an entry with its error."""
     import functools
 
     import gpu
@@ -210,3 +211,12 @@ def test_gpu_script_fused_attention_entries(monkeypatch):
     assert all(e["seconds"] > 0 for e in entries)
     assert entries[1]["max_abs_diff_from_xla"] < 0.05            # bfloat16 unit tokens, two orders of sums
     assert gpu.in_bfloat16(model, "cudnn").layers.W_q.dtype == gpu.jnp.bfloat16
+    # a failing cuDNN call (another prompt shape, so the program is traced again) is recorded, not raised
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError("no cuDNN kernel for these shapes\nsecond line")
+    monkeypatch.setattr(attention, "fused_attention_mix", no_kernel)
+    x0, valid = gpu.tokens(model, 1, 6)
+    gpu.fused_attention_entries("minilm", model, 1, 6, x0, valid, lambda **e: entries.append(e), 1)
+    assert entries[-1]["what"] == "states bfloat16 cudnn"
+    assert entries[-1]["error"] == "RuntimeError: no cuDNN kernel for these shapes"
