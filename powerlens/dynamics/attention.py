@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from .blocked import blocked_attention_mix
 from .norms import apply_norm
+from .params import FUSED_ATTENTION as FUSED
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
 
@@ -230,10 +231,6 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
         return blocked_attention_mix(q, k, v, valid, scale=lp.scale, causal=lp.config.causal, window=lp.window,
                                      cap=lp.config.attn_softcap, block=int(setting))
     return jnp.swapaxes(query_blocked_mix(lp, q, k, v, valid, qblock), 0, 1)
-
-
-FUSED = "cudnn"
-"""``LayerConfig.attention_block`` of cuDNN's fused attention (:func:`fused_attention_mix`)."""
 
 
 def check_fused_attention(lp, dtype, backend=None):

@@ -47,6 +47,11 @@ FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
 SANDWICH_NORMS = ("post_attn_norm_scale", "post_ffn_norm_scale")
 
 
+FUSED_ATTENTION = "cudnn"
+"""The ``LayerConfig.attention_block`` of cuDNN's fused attention
+(:func:`~powerlens.dynamics.attention.fused_attention_mix`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
     """Static (hashable) facts about a stack of attention layers.
@@ -130,11 +135,11 @@ class LayerConfig:
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
-        if self.attention_block is not None and self.attention_block != "cudnn" and (
+        if self.attention_block is not None and self.attention_block != FUSED_ATTENTION and (
                 isinstance(self.attention_block, (bool, np.bool_, str))
                 or not isinstance(self.attention_block, (int, np.integer)) or self.attention_block < 0):
             raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense), a positive "
-                             f"block size or 'cudnn', got {self.attention_block!r}")
+                             f"block size or {FUSED_ATTENTION!r}, got {self.attention_block!r}")
 
     @property
     def kv_group(self) -> int:
