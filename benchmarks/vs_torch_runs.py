@@ -10,7 +10,10 @@ default, or the files given) and prints, as Markdown:
   states-only ratio, the worst time with every measure over states only, the paper rule's
   matmul rate at 8 x 128, and B, C (the gradient of the last layer), D and E;
 * the median of each column over the runs, and how many runs met each target;
-* with ``--rows``, each workload-A row's ratio in every run and its median over the runs.
+* with ``--rows``, each workload-A row's ratio in every run and its median over the runs;
+* with ``--run K``, instead, run K's own workload A as one table (powerlens and torch times,
+  ratios, and the time with every measure over states only, per model and size), then its
+  summary line and its B-E lines as printed: the README's "powerlens vs torch" table.
 
 File names: ``vs_torch_2core_cpu.txt`` is run 1 and ``vs_torch_2core_cpu_runK[_note].txt``
 is run K; ``_note`` is shown with the run's number. A file without workload A
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import math
 import os
 import re
 import statistics
@@ -203,6 +207,62 @@ def rows_table(runs: Sequence[Run]) -> List[str]:
     return out
 
 
+MODEL_NAMES = {"minilm": "MiniLM", "smollm2": "SmolLM2"}
+
+RUN_HEADER = ("| model | prompts × tokens | paper rule, states: powerlens / torch | ratio | "
+              "paper rule, every measure: ratio (time over states only) | full block, states: powerlens / torch | ratio |")
+
+
+def _seconds(t: float) -> str:
+    """A time to 3 significant digits, in ms below a second: 1.80 ms, 61.0 ms, 261 ms, 1.44 s."""
+    value, unit = (t * 1e3, "ms") if t < 1 else (t, "s")
+    digits = max(0, 2 - int(math.floor(math.log10(value)))) if value > 0 else 2
+    return f"{value:.{digits}f} {unit}"
+
+
+def _tail(line: str) -> bool:
+    """A line ``--run`` prints as it is: the summary of A, or a B-E result."""
+    return line.startswith("A states only:") or (line[:2] in ("B ", "C ", "D ", "E ") and "ratio=" in line)
+
+
+def run_table(paths: Sequence[str]) -> List[str]:
+    """One run's workload A as the README's table (``--run``), then its B-E lines and the
+    summary of A, as printed. ``paths``: the run's saved outputs; a file without workload A
+    (``--only B,C,D,E``) gives the B-E lines in place of the run's own, as in :func:`collect`."""
+    fields = lambda line: dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+    rows: Dict[tuple, dict] = {}
+    tail, bcde = [], None
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+        a = [line for line in lines if line.startswith("A ") and "ratio=" in line and " torch.compile" not in line]
+        if not a:
+            bcde = [line for line in lines if _tail(line) and not line.startswith("A ")]
+            continue
+        for line in a:
+            _, model, size, rule, what = line.split()[:5]
+            rows.setdefault((model, size), {})[(rule, what)] = fields(line)
+        tail = [line for line in lines if _tail(line)]
+    if not rows:
+        raise ValueError(f"{', '.join(paths)}: no workload A rows")
+    if bcde is not None:
+        tail = [line for line in tail if line.startswith("A ")] + bcde
+    out = [RUN_HEADER, "|" + "---|" * 7]
+    for (model, size), r in rows.items():
+        cells = [MODEL_NAMES.get(model, model), size.replace("x", " × ")]
+        for rule, what in (("paper", "states"), ("paper", "measures"), ("full", "states")):
+            f = r.get((rule, what))
+            if f is None:
+                cells += ["–"] if what == "measures" else ["–", "–"]
+            elif what == "measures":
+                cells.append(f"{float(f['ratio']):.2f}× ({float(f['measures_over_states']):.2f})")
+            else:
+                cells += [f"{_seconds(float(f['powerlens_s']))} / {_seconds(float(f['torch_s']))}",
+                          f"{float(f['ratio']):.2f}×"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out + [""] + tail
+
+
 def default_paths() -> List[str]:
     return sorted(glob.glob(DEFAULT_GLOB))
 
@@ -211,8 +271,21 @@ def main(argv=None) -> List[str]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="*", help="saved outputs of vs_torch.py (default: docs/benchmarks/vs_torch_*.txt)")
     ap.add_argument("--rows", action="store_true", help="also each workload-A row in every run")
+    ap.add_argument("--run", type=int, metavar="K", help="only run K's own workload A table and B-E lines")
     args = ap.parse_args(argv)
     paths = args.files or default_paths()
+    if args.run is not None:
+        found = [p for p in paths if NAME.search(os.path.basename(p)) and run_id(p)[0] == args.run]
+        if not found:
+            print(f"vs_torch_runs: no saved output of run {args.run}", file=sys.stderr)
+            raise SystemExit(2)
+        try:
+            out = run_table(found)
+        except (OSError, ValueError) as exc:
+            print(f"vs_torch_runs: {exc}", file=sys.stderr)
+            raise SystemExit(2)
+        print("\n".join(out))
+        return out
     if not paths:
         ap.error(f"no files given and none match {DEFAULT_GLOB}")
     try:

@@ -191,6 +191,36 @@ def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
     assert "vs_torch_2core_cpu_run7_BCDE.txt: B-E of run 7" in capsys.readouterr().err
 
 
+def test_vs_torch_runs_prints_one_runs_table(tmp_path, capsys):
+    """``vs_torch_runs.py --run K``: run K's workload A as the README's table (times to 3
+    significant digits, ms below a second), then its B-E lines as printed, those of its
+    ``--only B,C,D,E`` file in place of its own; an unknown run is a one-line error."""
+    import vs_torch_runs as VR
+    lines = ["# python benchmarks/vs_torch.py at abc1234, test",
+             "A minilm 8x128 paper states       powerlens_s=0.0593 torch_s=0.06126 ratio=1.033 rel_err=6.6e-07",
+             "A minilm 8x128 paper measures     powerlens_s=0.06292 torch_s=0.07211 ratio=1.146 measures_over_states=1.061",
+             "A minilm 8x128 full states        powerlens_s=0.1486 torch_s=0.1498 ratio=1.008 rel_err=8.3e-07",
+             "A smollm2 32x128 paper states     powerlens_s=1.869 torch_s=2.033 ratio=1.088 rel_err=6.3e-06",
+             "A minilm 8x128 paper torch.compile            torch_s=0.0616",
+             "B minilm layer 3 1x32 paper T=1000    powerlens_s=0.4 torch_s=0.48 ratio=1.2 abs_err=2e-07",
+             "A states only: min 1.01x, median 1.03x over 3 (model, size, rule)"]
+    (tmp_path / "vs_torch_2core_cpu_run5.txt").write_text("\n".join(lines) + "\n")
+    bcde = "B minilm layer 3 1x32 paper T=1000    powerlens_s=0.4 torch_s=0.52 ratio=1.3 abs_err=2e-07"
+    (tmp_path / "vs_torch_2core_cpu_run5_BCDE.txt").write_text(bcde + "\n")
+    files = [str(tmp_path / "vs_torch_2core_cpu_run5.txt")]
+    out = VR.main(files + ["--run", "5"])
+    assert out[:2] == [VR.RUN_HEADER, "|---|---|---|---|---|---|---|"]
+    assert out[2] == "| MiniLM | 8 × 128 | 59.3 ms / 61.3 ms | 1.03× | 1.15× (1.06) | 149 ms / 150 ms | 1.01× |"
+    assert out[3] == "| SmolLM2 | 32 × 128 | 1.87 s / 2.03 s | 1.09× | – | – | – |"
+    assert out[4:] == ["", lines[6], lines[7]]
+    out = VR.main(files + [str(tmp_path / "vs_torch_2core_cpu_run5_BCDE.txt"), "--run", "5"])
+    assert out[4:] == ["", lines[7], bcde]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        VR.main(files + ["--run", "6"])
+    assert capsys.readouterr().err.strip() == "vs_torch_runs: no saved output of run 6"
+
+
 def test_gpu_script_fused_attention_entries(monkeypatch):
     """benchmarks/gpu.py's GPU-only entries, with cuDNN's call made through XLA and its GPU check
     passed: the bfloat16 states with and without attention_block='cudnn' are timed and agree; a

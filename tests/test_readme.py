@@ -171,3 +171,20 @@ def test_vs_torch_runs_table_is_the_scripts():
     for line in out:
         if line.startswith("Left out"):
             assert line in text
+
+
+def test_vs_torch_run_table_is_the_scripts():
+    """The README's "powerlens vs torch" table and B-E lines are what
+    ``python benchmarks/vs_torch_runs.py --run K`` prints for the run K the README names."""
+    import subprocess
+    import sys
+    text = _readme()
+    k = re.search(r"vs_torch_runs\.py\s+--run (\d+)` prints them", text).group(1)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vs_torch_runs.py"), "--run", k],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    blank = out.index("")
+    table, tail = out[:blank], out[blank + 1:]
+    start = text.index(table[0])
+    assert text[start:start + len("\n".join(table))].splitlines() == table
+    block = text.index("```\n" + "\n".join(tail) + "\n```", start)
+    assert block > start and tail
