@@ -58,6 +58,9 @@ class Run:
     rates: Dict[str, float] = dataclasses.field(default_factory=dict)       # "minilm 8x128": % of the large matmul
     bcde: Dict[str, float] = dataclasses.field(default_factory=dict)        # "B", "C", "D", "E_solve", "E_api"
     bcde_from: str = ""                            # the file B-E came from, when another run's
+    a_rows: Dict[tuple, Dict[str, str]] = dataclasses.field(default_factory=dict)  # (model, size, rule, what): fields
+    a_summary: List[str] = dataclasses.field(default_factory=list)       # "A states only: ..." as printed
+    bcde_lines: List[str] = dataclasses.field(default_factory=list)      # the B-E lines as printed
 
     @property
     def label(self) -> str:
@@ -109,14 +112,18 @@ def parse(path: str) -> Run:
         elif line.endswith("% of the large matmul"):
             m = re.match(r"A (\S+) (\S+) paper states: \d+ GFLOP/s, (\d+) %", line)
             run.rates[f"{m.group(1)} {m.group(2)}"] = float(m.group(3))
-        elif line.startswith("A ") and " states " in line and "ratio=" in line:
-            _, model, size, rule = line.split()[:4]
-            run.a_states[f"{model} {size} {rule}"] = float(RATIO.search(line).group(1))
-        elif line.startswith("A ") and "measures_over_states=" in line:
-            _, model, size, rule = line.split()[:4]
-            run.measures_over_states[f"{model} {size} {rule}"] = float(
-                re.search(r"measures_over_states=([0-9.eE+-]+)", line).group(1))
+        elif line.startswith("A states only:"):
+            run.a_summary.append(line)
+        elif line.startswith("A ") and "ratio=" in line:
+            _, model, size, rule, what = line.split()[:5]
+            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+            run.a_rows[(model, size, rule, what)] = fields
+            if what == "states":
+                run.a_states[f"{model} {size} {rule}"] = float(fields["ratio"])
+            elif what == "measures":
+                run.measures_over_states[f"{model} {size} {rule}"] = float(fields["measures_over_states"])
         elif line[:2] in ("B ", "C ", "D ", "E ") and "ratio=" in line:
+            run.bcde_lines.append(line)
             key = line[0]
             if key == "C" and "whole scan" in line:
                 continue
@@ -136,6 +143,7 @@ def collect(paths: Sequence[str]) -> List[Run]:
         if r.number not in runs:
             raise ValueError(f"{p}: B-E of run {r.number}, whose workload A is in none of the files")
         runs[r.number].bcde.update(r.bcde)
+        runs[r.number].bcde_lines = r.bcde_lines
         runs[r.number].bcde_from = os.path.basename(p)
     return [runs[k] for k in sorted(runs)]
 
@@ -220,38 +228,14 @@ def _seconds(t: float) -> str:
     return f"{value:.{digits}f} {unit}"
 
 
-def _tail(line: str) -> bool:
-    """A line ``--run`` prints as it is: the summary of A, or a B-E result."""
-    return line.startswith("A states only:") or (line[:2] in ("B ", "C ", "D ", "E ") and "ratio=" in line)
-
-
-def run_table(paths: Sequence[str]) -> List[str]:
-    """One run's workload A as the README's table (``--run``), then its B-E lines and the
-    summary of A, as printed. ``paths``: the run's saved outputs; a file without workload A
-    (``--only B,C,D,E``) gives the B-E lines in place of the run's own, as in :func:`collect`."""
-    fields = lambda line: dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-    rows: Dict[tuple, dict] = {}
-    tail, bcde = [], None
-    for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-        a = [line for line in lines if line.startswith("A ") and "ratio=" in line and " torch.compile" not in line]
-        if not a:
-            bcde = [line for line in lines if _tail(line) and not line.startswith("A ")]
-            continue
-        for line in a:
-            _, model, size, rule, what = line.split()[:5]
-            rows.setdefault((model, size), {})[(rule, what)] = fields(line)
-        tail = [line for line in lines if _tail(line)]
-    if not rows:
-        raise ValueError(f"{', '.join(paths)}: no workload A rows")
-    if bcde is not None:
-        tail = [line for line in tail if line.startswith("A ")] + bcde
+def run_table(run: Run) -> List[str]:
+    """One run's workload A as the README's table (``--run``), then its B-E lines (those of its
+    ``--only B,C,D,E`` file, when it has one: :func:`collect`) and the summary of A, as printed."""
     out = [RUN_HEADER, "|" + "---|" * 7]
-    for (model, size), r in rows.items():
+    for model, size in dict.fromkeys(k[:2] for k in run.a_rows):
         cells = [MODEL_NAMES.get(model, model), size.replace("x", " × ")]
         for rule, what in (("paper", "states"), ("paper", "measures"), ("full", "states")):
-            f = r.get((rule, what))
+            f = run.a_rows.get((model, size, rule, what))
             if f is None:
                 cells += ["–"] if what == "measures" else ["–", "–"]
             elif what == "measures":
@@ -260,7 +244,7 @@ def run_table(paths: Sequence[str]) -> List[str]:
                 cells += [f"{_seconds(float(f['powerlens_s']))} / {_seconds(float(f['torch_s']))}",
                           f"{float(f['ratio']):.2f}×"]
         out.append("| " + " | ".join(cells) + " |")
-    return out + [""] + tail
+    return out + [""] + run.bcde_lines + run.a_summary
 
 
 def default_paths() -> List[str]:
@@ -274,18 +258,6 @@ def main(argv=None) -> List[str]:
     ap.add_argument("--run", type=int, metavar="K", help="only run K's own workload A table and B-E lines")
     args = ap.parse_args(argv)
     paths = args.files or default_paths()
-    if args.run is not None:
-        found = [p for p in paths if NAME.search(os.path.basename(p)) and run_id(p)[0] == args.run]
-        if not found:
-            print(f"vs_torch_runs: no saved output of run {args.run}", file=sys.stderr)
-            raise SystemExit(2)
-        try:
-            out = run_table(found)
-        except (OSError, ValueError) as exc:
-            print(f"vs_torch_runs: {exc}", file=sys.stderr)
-            raise SystemExit(2)
-        print("\n".join(out))
-        return out
     if not paths:
         ap.error(f"no files given and none match {DEFAULT_GLOB}")
     try:
@@ -293,6 +265,14 @@ def main(argv=None) -> List[str]:
     except (OSError, ValueError) as exc:
         print(f"vs_torch_runs: {exc}", file=sys.stderr)
         raise SystemExit(2)
+    if args.run is not None:
+        chosen = [r for r in runs if r.number == args.run]
+        if not chosen:
+            print(f"vs_torch_runs: no saved output of run {args.run}", file=sys.stderr)
+            raise SystemExit(2)
+        out = run_table(chosen[0])
+        print("\n".join(out))
+        return out
     out = table(runs)
     skipped = [r.label for r in runs if not r.counted]
     if skipped:

@@ -193,8 +193,9 @@ def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
 
 def test_vs_torch_runs_prints_one_runs_table(tmp_path, capsys):
     """``vs_torch_runs.py --run K``: run K's workload A as the README's table (times to 3
-    significant digits, ms below a second), then its B-E lines as printed, those of its
-    ``--only B,C,D,E`` file in place of its own; an unknown run is a one-line error."""
+    significant digits, ms below a second), then its B-E lines as printed (those of its
+    ``--only B,C,D,E`` file in place of its own) and A's summary; an unknown run is a one-line
+    error."""
     import vs_torch_runs as VR
     lines = ["# python benchmarks/vs_torch.py at abc1234, test",
              "A minilm 8x128 paper states       powerlens_s=0.0593 torch_s=0.06126 ratio=1.033 rel_err=6.6e-07",
@@ -214,7 +215,7 @@ def test_vs_torch_runs_prints_one_runs_table(tmp_path, capsys):
     assert out[3] == "| SmolLM2 | 32 × 128 | 1.87 s / 2.03 s | 1.09× | – | – | – |"
     assert out[4:] == ["", lines[6], lines[7]]
     out = VR.main(files + [str(tmp_path / "vs_torch_2core_cpu_run5_BCDE.txt"), "--run", "5"])
-    assert out[4:] == ["", lines[7], bcde]
+    assert out[4:] == ["", bcde, lines[7]]
     capsys.readouterr()
     with pytest.raises(SystemExit):
         VR.main(files + ["--run", "6"])
