@@ -85,7 +85,11 @@ class Run:
 
 
 NAME = re.compile(r"vs_torch_2core_cpu(?:_run(\d+))?(?:_([A-Za-z]+))?\.txt$")
-RATIO = re.compile(r"\bratio=([0-9.eE+-]+)")
+
+
+def fields(line: str) -> Dict[str, str]:
+    """The ``key=value`` pairs of one printed result line."""
+    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
 
 
 def run_id(path: str):
@@ -116,12 +120,11 @@ def parse(path: str) -> Run:
             run.a_summary.append(line)
         elif line.startswith("A ") and "ratio=" in line:
             _, model, size, rule, what = line.split()[:5]
-            fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-            run.a_rows[(model, size, rule, what)] = fields
+            row = run.a_rows[(model, size, rule, what)] = fields(line)
             if what == "states":
-                run.a_states[f"{model} {size} {rule}"] = float(fields["ratio"])
+                run.a_states[f"{model} {size} {rule}"] = float(row["ratio"])
             elif what == "measures":
-                run.measures_over_states[f"{model} {size} {rule}"] = float(fields["measures_over_states"])
+                run.measures_over_states[f"{model} {size} {rule}"] = float(row["measures_over_states"])
         elif line[:2] in ("B ", "C ", "D ", "E ") and "ratio=" in line:
             run.bcde_lines.append(line)
             key = line[0]
@@ -129,7 +132,7 @@ def parse(path: str) -> Run:
                 continue
             if key == "E":
                 key = "E_solve" if " solve " in line else "E_api"
-            run.bcde[key] = float(RATIO.search(line).group(1))
+            run.bcde[key] = float(fields(line)["ratio"])
     return run
 
 

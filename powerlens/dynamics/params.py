@@ -135,9 +135,9 @@ class LayerConfig:
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
-        if self.attention_block is not None and self.attention_block != FUSED_ATTENTION and (
-                isinstance(self.attention_block, (bool, np.bool_, str))
-                or not isinstance(self.attention_block, (int, np.integer)) or self.attention_block < 0):
+        block = self.attention_block
+        size = isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)) and block >= 0
+        if not (block is None or size or (isinstance(block, str) and block == FUSED_ATTENTION)):
             raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense), a positive "
                              f"block size or {FUSED_ATTENTION!r}, got {self.attention_block!r}")
 
