@@ -10,8 +10,9 @@ over the steps. Column-vector maths, token i is row i of X (n, d)::
 
     gamma_r(t)   mean_i ||B_r^T x_i(t+1)|| / ||x_i(t+1)||   (B_r zero-padded to k columns)
     rho_r(t)     fraction of tokens with gamma_i(t+1) > gamma_i(t)
-    rotation(t)  mean_i wrap(theta_i(t+1) - theta_i(t)) in the principal plane, when that plane
-                 is a complex pair of F (else NaN)
+    rotation(t)  c + mean_i wrap(s_i - c) (wrapped), s_i = theta_i(t+1) - theta_i(t) in the
+                 principal plane and c = arg sum_i e^{i s_i}, when that plane is a complex pair
+                 of F (else NaN)
     consensus    ||X - 1 xbar^T||_F / ||X||_F;  rank collapse sqrt(||R||_1 ||R||_inf / (||X||_1 ||X||_inf));
                  pairwise cosine, the mean over i != j of cos(x_i, x_j)
 
@@ -20,6 +21,11 @@ It imports nothing from powerlens: the arrays come in as NumPy arrays.
 from __future__ import annotations
 
 import numpy as np
+
+
+def wrap(a):
+    """Angles wrapped to [-pi, pi)."""
+    return (a + np.pi) % (2 * np.pi) - np.pi
 
 
 def layer_arrays(layers, dtype=np.float32) -> dict:
@@ -95,7 +101,9 @@ def simulate(p, x0, basis, dims, steps: int, dtype=np.float32) -> dict:
         gb[t, ok] = g0.mean(1)[ok]
         rho[t, ok] = (g1 > g0).mean(1)[ok]
         if pair:
-            rot[t] = ((a1 - a0 + np.pi) % (2 * np.pi) - np.pi).mean()
+            s = a1 - a0
+            c = np.angle(np.sum(np.exp(1j * s)))
+            rot[t] = wrap(c + wrap(s - c).mean())
         X, g0, a0 = Y, g1, a1
     return dict(gamma=gam, gamma_before=gb, rho=rho, rotation=rot, consensus=meas[:, 0],
                 rank_collapse=meas[:, 1], pairwise_cos=meas[:, 2], final=X)

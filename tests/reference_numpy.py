@@ -273,6 +273,14 @@ def wrap(a):
     return (np.asarray(a) + np.pi) % (2 * np.pi) - np.pi
 
 
+def mean_step(a1, a0) -> float:
+    """Mean of the angle steps s = a1 - a0, each taken on the branch within pi of their
+    circular mean c = angle(sum_i e^{i s_i}): wrap(c + mean_i wrap(s_i - c))."""
+    s = np.asarray(a1) - np.asarray(a0)
+    c = np.angle(np.sum(np.exp(1j * s)))
+    return float(wrap(c + np.mean(wrap(s - c))))
+
+
 # ---------------------------------------------------------------- vectorised path
 
 def _allowed_fast(n, valid, causal, window):
@@ -396,7 +404,7 @@ def simulate_fast(params, schedule, x0, basis, dims, *, valid=None, rule: str = 
             b = basis[u, 0]
             a1 = np.arctan2(Y[valid] @ b[:, 1], Y[valid] @ b[:, 0])
             a0 = np.arctan2(X[valid] @ b[:, 1], X[valid] @ b[:, 0])
-            rot[t] = wrap(a1 - a0).mean()
+            rot[t] = mean_step(a1, a0)
         if save_states:
             states.append(Y)
         X = Y
@@ -447,8 +455,7 @@ def simulate(params: Sequence[dict], schedule: Sequence[int], x0, basis, dims, *
             res["rho"][t, r] = np.mean(g1 > g0)
             res["rho_margin"][t, r] = np.min(np.abs(g1 - g0))
         if is_pair_plane(params[u], basis[u, 0], int(dims[u, 0])):
-            res["rotation"][t] = np.mean(wrap(plane_angle(Y[valid], basis[u, 0])
-                                              - plane_angle(X[valid], basis[u, 0])))
+            res["rotation"][t] = mean_step(plane_angle(Y[valid], basis[u, 0]), plane_angle(X[valid], basis[u, 0]))
         per_state.append(meas(Y))
         if save_states:
             states.append(Y)

@@ -128,6 +128,42 @@ def test_complex_pair_rotation(kind, measure_after):
     assert float(traj.consensus[-1]) < 1e-9
 
 
+@pytest.mark.parametrize("measure_after", [False, True])
+def test_rotation_near_pi_straddling_the_cut(measure_after):
+    """I + F = [[1.05 R(theta), C], [0, diag(0.6, -0.4)]] in R^4, theta = pi - 0.03, C a fixed
+    coupling: the plane span(e1, e2) is invariant with |1 + lambda1| = 1.05 > 0.6, so it is
+    the principal (complex-pair) subspace. With identity attention each token takes its own
+    step x <- (I + F)x / ||(I + F)x||, and the coupling from the decaying e3, e4 parts spreads
+    the tokens' angle steps in the plane by up to 2.3 rad around a mean near pi: in steps
+    1-6 some steps wrap to just below +pi and others to just above -pi. The rotation of each step is the mean of
+    the steps s_i read on one branch, wrap(c + mean_i wrap(s_i - c)) with c = arg sum_i e^{i s_i}
+    (its plain mean of wrapped steps is off by up to 2.7 rad there), and once the tokens are
+    in the plane it is theta, the angle of 1 + lambda1, to rounding."""
+    theta = math.pi - 0.03
+    M = np.zeros((4, 4))
+    M[:2, :2] = 1.05 * np.array([[math.cos(theta), -math.sin(theta)], [math.sin(theta), math.cos(theta)]])
+    M[2:, 2:] = np.diag([0.6, -0.4])
+    M[:2, 2:] = [[2.0, -1.0], [1.0, 2.5]]
+    traj, _, sub = _run(M - np.eye(4), np.random.default_rng(0).standard_normal((16, 4)), 40,
+                        attention="identity", measure_after=measure_after)
+    assert int(sub.dim[0, 0]) == 2
+    B = np.asarray(sub.basis[0, 0])[:, :2]
+    S = np.asarray(traj.states)
+    wrap = lambda a: (a + np.pi) % (2 * np.pi) - np.pi
+    steps = np.diff(np.arctan2(S @ B[:, 1], S @ B[:, 0]), axis=0)        # (T, n), in (-2 pi, 2 pi)
+    ws = wrap(steps)
+    straddles = (ws.max(1) > 2.5) & (ws.min(1) < -2.5)
+    assert straddles[1:7].all()
+    c = np.angle(np.exp(1j * steps).sum(1))
+    expected = wrap(c + wrap(steps - c[:, None]).mean(1))
+    rot = np.asarray(traj.rotation)
+    np.testing.assert_allclose(wrap(rot - expected), 0.0, atol=1e-12)
+    assert np.abs(wrap(ws.mean(1) - expected))[straddles].max() > 1.0     # what the plain mean gives
+    # the tokens end in the plane, where I + F rotates by arg(1 + lambda1) = theta
+    np.testing.assert_allclose(rot[-5:], theta, atol=1e-9)
+    assert np.all((-np.pi <= rot) & (rot < np.pi))
+
+
 # ------------------------------------------------------------------ repeated top eigenvalue
 
 def test_repeated_top_eigenvalue_subspace():

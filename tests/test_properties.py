@@ -216,3 +216,41 @@ def test_spectrum_matrix_eigenvalues(kind, real, cplx, pad, seed):
         np.testing.assert_allclose(F, F.T, atol=1e-12)
     if kind == "normal":
         np.testing.assert_allclose(F @ F.T, F.T @ F, atol=1e-10)
+
+
+# mean_angle: the angles of one branch of the circle, whichever side of +-pi each was wrapped to
+angles = hnp.arrays(np.float64, st.integers(1, 12), elements=st.floats(-1.4, 1.4))
+
+
+def _wrapped_diff(a, b):
+    return np.abs((np.asarray(a) - np.asarray(b) + np.pi) % (2 * np.pi) - np.pi)
+
+
+@SETTINGS
+@given(dev=angles, center=st.floats(-np.pi, np.pi), turns=st.lists(st.integers(-3, 3), min_size=12, max_size=12))
+def test_mean_angle_is_the_mean_on_one_branch(dev, center, turns):
+    """Angles center + dev_i (|dev_i| < 1.4 < pi/2), each shifted by a whole number of turns:
+    the mean is center + mean(dev), mod 2 pi, whatever the center (near +-pi too) and the
+    turns; the plain mean of the wrapped angles is not, once the angles straddle +-pi."""
+    from powerlens.dynamics.measures import mean_angle
+    a = center + dev + 2 * np.pi * np.asarray(turns[:dev.size])
+    valid = np.ones(dev.size, bool)
+    assert _wrapped_diff(mean_angle(a, valid), center + dev.mean()) < 1e-12
+    # the same angles read on [-pi, pi) as JAX float32, padded with garbage that is masked out
+    a32 = jnp.asarray(np.concatenate([a, [1.0, -2.0]]), jnp.float32)
+    got = mean_angle(a32, jnp.asarray(np.concatenate([valid, [False, False]])))
+    assert got.dtype == jnp.float32 and -np.pi <= float(got) < np.pi
+    assert _wrapped_diff(float(got), center + dev.mean()) < 1e-5
+
+
+def test_mean_angle_straddling_pi():
+    """Steps of pi - 0.1, pi + 0.1, pi - 0.2 and pi + 0.3 (the last three wrapped to -pi + 0.1,
+    pi - 0.2, -pi + 0.3): their mean is pi + 0.025, i.e. -pi + 0.025; the plain mean of the
+    wrapped values is 0.025, on the opposite side of the circle."""
+    from powerlens.dynamics.measures import mean_angle
+    a = np.array([np.pi - 0.1, -np.pi + 0.1, np.pi - 0.2, -np.pi + 0.3])
+    assert abs(a.mean() - 0.025) < 1e-12
+    assert abs(mean_angle(a, np.ones(4, bool)) - (-np.pi + 0.025)) < 1e-12
+    # rows are independent; a row with no valid entry gives the circular mean of nothing, 0
+    two = mean_angle(np.stack([a, a + 1.0]), np.array([[True] * 4, [False] * 4]))
+    np.testing.assert_allclose(two, [-np.pi + 0.025, 0.0], atol=1e-12)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -77,6 +78,27 @@ def alignment(X, basis):
 def wrap_angle(a):
     """Wrap angles to [-pi, pi)."""
     return (a + jnp.pi) % (2 * jnp.pi) - jnp.pi
+
+
+def mean_angle(angles, valid):
+    """Mean of angles "float[... n]" over the valid entries "bool[... n]" -> "float[...]",
+    in [-pi, pi), whatever side of the cut at +-pi each angle was wrapped to.
+
+        c    = arg sum_i w_i exp(i a_i)                  (the circular mean)
+        mean = wrap(c + sum_i w_i wrap(a_i - c) / sum_i w_i)
+
+    Each angle is read on the branch within pi of c, so the mean is the arithmetic mean of
+    the angles taken on one branch: equal to the plain mean of a_i wherever no angle is
+    more than pi from c, and equivariant under a common shift (the angles plus delta give
+    the mean plus delta, mod 2 pi). The plain mean of wrapped angles is neither: angle
+    steps of about pi (arg(1 + lambda1) near +-pi) wrap to +pi or -pi by rounding, and
+    average to anything in between. JAX or NumPy arrays (NumPy in, NumPy out).
+    """
+    xp = jnp if isinstance(angles, jax.Array) else np
+    w = xp.asarray(valid).astype(angles.dtype)
+    n = xp.maximum(xp.sum(w, axis=-1), 1.0)
+    c = xp.arctan2(xp.sum(w * xp.sin(angles), axis=-1), xp.sum(w * xp.cos(angles), axis=-1))
+    return wrap_angle(c + xp.sum(w * wrap_angle(angles - c[..., None]), axis=-1) / n)
 
 
 # ------------------------------------------------------------------------ consensus

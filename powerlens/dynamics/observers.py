@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .cache import per_arrays
-from .measures import consensus_measures, masked_mean, unit_rows, wrap_angle
+from .measures import consensus_measures, masked_mean, mean_angle, unit_rows
 from .params import layer_factors
 from .subspaces import Subspaces, reference_index
 
@@ -77,12 +77,10 @@ class Alignment:
       gamma_before: "float[T m]" the same for x_t, the tokens entering the step.
       rho: "float[T m]" share of valid tokens with gamma_i(x_{t+1}) > gamma_i(x_t).
       rotation: "float[T]" mean angle step of the tokens in the plane of the ``rotation_in``
-        reference, wrapped to [-pi, pi); NaN unless that reference is a 2-D complex-pair plane.
-        The arithmetic mean of each token's wrapped step: where the steps are near +-pi,
-        rounding decides on which side each token's step wraps, and every token that flips
-        moves the mean by 2 pi / n (measured on benchmarks/vs_torch.py's 256 sweep systems:
-        the same states measured in the scan and after it gave 10 % of the entries more than
-        0.1 apart, in multiples of 2 pi / 32).
+        reference, in [-pi, pi); NaN unless that reference is a 2-D complex-pair plane. The
+        mean of the tokens' steps, each read within pi of their circular mean
+        (:func:`~powerlens.dynamics.measures.mean_angle`), so that steps near +-pi, which
+        rounding wraps to either side, do not move it.
       names: static tuple of the m reference names.
     """
 
@@ -172,7 +170,7 @@ def alignment(subspaces: Subspaces, *, rotation_in: str = "principal",
         if p is None:
             rot = nan
         else:
-            rot = jnp.where(pair[u], masked_mean(wrap_angle(a1 - a0), valid), nan)
+            rot = jnp.where(pair[u], mean_angle(a1 - a0, valid), nan)
         return Alignment(gamma=jnp.where(defined, masked_mean(g1, valid), jnp.nan),
                          gamma_before=jnp.where(defined, masked_mean(g0, valid), jnp.nan),
                          rho=jnp.where(defined, masked_mean((g1 > g0).astype(g1.dtype), valid), jnp.nan),

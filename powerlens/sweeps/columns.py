@@ -14,6 +14,8 @@ the principal group, design.md §2). Each column, with NaN/None where it is unde
     direction_rate         measured rate of tan(token mean, principal subspace)
     top2_rate              measured rate of tan(token mean, top-two subspace)
     rotation               mean angle step in the principal plane over the last steps
+                           (:func:`~powerlens.dynamics.measures.mean_angle`: steps near
+                           +-pi on one branch)
     final_gamma            gamma against the principal subspace after the last step
     mean_rho               rho against the principal subspace, averaged over the steps
     final_consensus        mu(X_T)
@@ -32,6 +34,8 @@ from __future__ import annotations
 from typing import Dict, Mapping
 
 import numpy as np
+
+from ..dynamics.measures import mean_angle
 
 MEASURED = ("lambda1_re", "lambda1_im", "lambda2_re", "lambda2_im", "principal_dim",
             "consensus_rate_pred", "direction_rate_pred", "rotation_pred", "top2_rate_pred",
@@ -117,7 +121,8 @@ def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=(
                         else np.full(S, np.nan))
     rot = np.asarray(raw["rotation"], np.float64)
     K = measure["rotation_steps"] or max(rot.shape[1] // 2, 1)
-    out["rotation"] = np.sum(rot[:, -K:], axis=1) / K
+    last = rot[:, -K:]                                  # NaN (no complex pair) stays NaN
+    out["rotation"] = mean_angle(last, np.ones(last.shape, bool))
     gamma = np.asarray(raw["gamma"], np.float64)
     out["final_gamma"] = gamma[:, -1]
     out["mean_rho"] = np.mean(np.asarray(raw["rho"], np.float64), axis=1)
