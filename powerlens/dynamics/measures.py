@@ -13,6 +13,8 @@ through its observers. Host-side statistics (chance levels, p-values) live in
                    column sum of |M|, ||M||_inf the largest row sum)
     pairwise cos = mean over ordered pairs i != j of cos(x_i, x_j)
                  = (||sum_i x_i/||x_i||||^2 - n) / (n (n - 1))
+    mean angle   = wrap(c + mean_i wrap(a_i - c)),  c = arg sum_i e^{i a_i}
+                   (angles averaged on one branch of the circle: the rotation per step)
 
 xbar is the mean of the valid tokens; every sum runs over valid tokens only.
 

@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 
+from ..dynamics.measures import wrap_angle
 from ..dynamics.params import layer_matrices
 from ..dynamics.synthetic import bipartite_tokens, cone_tokens, spectrum_matrix, synthetic_system
 from ..sweeps.columns import fit_rates
@@ -202,7 +203,7 @@ def section_complex_pair(ctx) -> SectionResult:
     gp = np.array([r["final_gamma_plane"] for r in rows])
     cons = np.array([r["final_consensus"] for r in rows])
     normal = np.array([r["kind"] == "normal" for r in rows])
-    err = np.abs(meas - pred)
+    err = np.abs(wrap_angle(meas - pred))          # angles: pi - 0.001 and -pi + 0.001 are 0.002 apart
     angles = rows[0]["plane_angles"]                 # (40, n): each token's angle in the plane
     figs = [
         plots.plot_scatter_predicted(pred, meas, ctx.fig("s2_rotation.png"), xlabel="predicted arg(1+λ1) [rad/step]",
