@@ -270,6 +270,23 @@ def test_histogram_bars_curve_scatter(out):
     assert ax.get_xlim() == ax.get_ylim()
 
 
+
+def test_scatter_of_angles_draws_each_measured_value_on_the_branch_of_its_prediction(out):
+    """Rotations predicted at pi - 0.01 and measured at -pi + 0.01 (the same angle, on the
+    other side of the cut) are 0.02 off: with ``angles`` the point is drawn at pi + 0.01 and
+    the legend's median error is 0.02, not 2 pi - 0.02 (what plain values give)."""
+    pred = np.array([np.pi - 0.01, 0.5, -np.pi + 0.03])
+    meas = np.array([-np.pi + 0.01, 0.52, np.pi - 0.01])
+    fig = P.plot_scatter_predicted(pred, meas, str(out / "angles.png"), xlabel="p", ylabel="m",
+                                   angles=True, return_fig=True)
+    check_png(str(out / "angles.png"))
+    pts = by_gid(fig, "points")[0]
+    np.testing.assert_allclose(pts.get_offsets(), [[np.pi - 0.01, np.pi + 0.01], [0.5, 0.52],
+                                                   [-np.pi + 0.03, -np.pi - 0.01]], atol=1e-12)
+    assert "median |meas − pred| = 0.02" in pts.get_label()
+    plain = P.plot_scatter_predicted(pred, meas, str(out / "plain.png"), xlabel="p", ylabel="m", return_fig=True)
+    assert "median |meas − pred| = 6.2" in by_gid(plain, "points")[0].get_label()
+
 def test_save_is_atomic_and_checked(out):
     with pytest.raises(ValueError, match="must end in .png"):
         P.plot_curve([0, 1], [0, 1], str(out / "x.pdf"), xlabel="x", ylabel="y")

@@ -43,6 +43,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from ..dynamics.measures import wrap_angle
 from ..io import public_mode
 
 DPI = 120
@@ -601,14 +602,20 @@ def plot_group_bars(groups, series, path, *, ylabel: str, xlabel: str = "", logy
 
 
 def plot_scatter_predicted(predicted, measured, path, *, xlabel: str, ylabel: str, title: Optional[str] = None,
-                           return_fig: bool = False):
-    """Measured against predicted values with the line y = x (e.g. rates vs |mu2/mu1|)."""
+                           angles: bool = False, return_fig: bool = False):
+    """Measured against predicted values with the line y = x (e.g. rates vs |mu2/mu1|).
+
+    ``angles``: the values are angles (radians), and each measured one is drawn, and its
+    error taken, on the branch nearest its prediction, p + wrap(m - p): a rotation measured
+    as -pi + 0.001 against a predicted pi - 0.001 is 0.002 off, not 2 pi."""
     p = _vector(np.ravel(predicted), "predicted")
     m = _vector(np.ravel(measured), "measured", p.shape[0])
     ok = np.isfinite(p) & np.isfinite(m)
     if not ok.any():
         raise ValueError("predicted/measured have no finite pair")
     p, m = p[ok], m[ok]
+    if angles:
+        m = p + np.asarray(wrap_angle(m - p))
     lo, hi = float(min(p.min(), m.min())), float(max(p.max(), m.max()))
     pad = 0.05 * (hi - lo) if hi > lo else 0.5
     lo, hi = lo - pad, hi + pad

@@ -208,7 +208,7 @@ def section_complex_pair(ctx) -> SectionResult:
     figs = [
         plots.plot_scatter_predicted(pred, meas, ctx.fig("s2_rotation.png"), xlabel="predicted arg(1+λ1) [rad/step]",
                                      ylabel="measured rotation [rad/step]",
-                                     title="Rotation per step in the principal plane"),
+                                     title="Rotation per step in the principal plane", angles=True),
         plots.plot_curve(np.arange(angles.shape[0]), {f"token {j}": angles[:, j] for j in range(min(4, angles.shape[1]))},
                          ctx.fig("s2_phase.png"), xlabel="step (last 40)", ylabel="angle in the plane [rad]",
                          title="Tokens rotate together (limit cycle in the plane)"),

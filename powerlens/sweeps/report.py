@@ -132,7 +132,8 @@ def write_figures(folder: str, df, spec, plot: Optional[str] = None) -> List[str
             xl, yl = RATE_LABELS[meas]
             name = "rate_" + meas.replace("_rate", "") + ".png"
             out.append(plots.plot_scatter_predicted(p, m, os.path.join(fig_dir, name), xlabel=xl, ylabel=yl,
-                                                    title=f"{meas}: measured against predicted"))
+                                                    title=f"{meas}: measured against predicted",
+                                                    angles=meas == "rotation"))
     if choice is not None:
         m, x, y = choice
         if np.isfinite(_numeric(df[m])).any():
