@@ -40,6 +40,7 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import benchdoc  # noqa: E402
 import powerlens as pl  # noqa: E402
 
 
@@ -118,7 +119,26 @@ def main(argv=None):
     ap.add_argument("--out", default="gpu.json")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--repeat", type=int, default=5)
+    benchdoc.add_doc_option(ap, "gpu")
     args = ap.parse_args(argv)
+    with benchdoc.Capture() as printed:
+        doc = measure(args)
+    rows = [[r["workload"], r["model"], r["size"].replace("x", " × "), r.get("rule"), r["what"],
+             f"{r['seconds']:.4g} s" if "seconds" in r else r.get("skipped") or r.get("error"),
+             f"{r['first_call_seconds']:.3g} s" if "first_call_seconds" in r else None] for r in doc["results"]]
+    table = benchdoc.markdown_table(("workload", "model", "prompts × tokens", "rule", "what", "best time",
+                                     "first call (compiles)"), rows)
+    dev = jax.devices()[0]
+    benchdoc.write_if_asked(args, "gpu", argv, [table], printed.text,
+                            accelerator="" if dev.platform == "cpu" else f"{dev.device_kind} × {jax.device_count()}",
+                            summary="Workloads A-E of benchmarks/vs_torch.py, powerlens only, on the device JAX "
+                                    "sees first.")
+    return doc
+
+
+def measure(args) -> dict:
+    """Every workload, each entry printed as JSON as it finishes; the JSON document (also
+    written to ``--out``)."""
     dev = jax.devices()[0]
     doc = {"device": str(dev), "platform": dev.platform, "device_count": jax.device_count(),
            "jax": jax.__version__, "python": platform.python_version(), "tiny": args.tiny, "results": []}

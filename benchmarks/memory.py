@@ -9,7 +9,7 @@ first call compiles (XLA/LLVM take ~120-150 MB of their own here, whatever the p
 the second runs the compiled program alone; both peaks are reported, and the bound is checked
 against the larger.
 
-Cases (issue 11, "Memory"):
+Cases:
 
   run    one prompt of ``--prompt`` tokens (default 4,096) through all layers of ``--model``
          (default SmolLM2, 30 layers), rule ``paper``, with every measure
@@ -40,7 +40,7 @@ runtime baseline (Python + JAX + powerlens imported, CPU backend initialised, no
 because the bounds are about what powerlens allocates, and that baseline (a few hundred MB) is
 paid by any JAX program.
 
-    python benchmarks/memory.py [--json memory.json]
+    python benchmarks/memory.py [--json memory.json]     # writes docs/benchmarks/memory.md
     python benchmarks/memory.py --quick        # the tiny configuration the test suite runs
 """
 from __future__ import annotations
@@ -61,6 +61,7 @@ MB = 1e6
 
 # the /proc/self/status reader and the VmHWM reset are benchmarks/models.py's (standard library only)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchdoc  # noqa: E402
 from models import _reset_peak as reset_hwm, _status_kib as status_kb  # noqa: E402
 
 
@@ -216,13 +217,47 @@ def main(argv=None):
     ap.add_argument("--steps-prompt", type=int, default=256)
     ap.add_argument("--steps-layer", type=int, default=0)
     ap.add_argument("--loads", default="minilm,smollm2,gemma3")
-    ap.add_argument("--json", default="memory.json", help="where to write the results")
+    ap.add_argument("--json", default=None, help="also write every number to this JSON file")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per case")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    benchdoc.add_doc_option(ap, "memory")
     args = ap.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return None
+    with benchdoc.Capture() as printed:
+        doc = measure(args, argv)
+    benchdoc.write_if_asked(args, "memory", argv, [memory_table(doc)], printed.text,
+                            summary="Peak resident memory, each case in a fresh process: one long prompt through "
+                                    "every layer, one layer iterated for more and more steps, and loading each "
+                                    "model (the script's docstring defines each bound).")
+    return doc
+
+
+def memory_table(doc: dict) -> list:
+    """The cases of ``doc`` as one Markdown table: each peak over the runtime baseline
+    against its bound (MB)."""
+    mb = lambda b: f"{b / MB:.1f} MB"
+    rows = []
+    r = doc["run"]
+    if r and "error" not in r:
+        rows.append([f"{r['model']}, 1 × {r['n']} tokens, every layer, every measure", mb(r["peak_any"]),
+                     mb(r["peak_over_baseline"]), f"parameters + 4 × one layer's activations, {mb(r['bound'])}",
+                     f"{r['peak_over_baseline'] / r['bound']:.2f}"])
+    for r in doc["steps"]:
+        if "error" not in r:
+            rows.append([f"{r['model']}, one layer × {r['T']} steps{', states kept' if r['save_states'] else ''}",
+                         mb(r["peak_any"]), mb(r["peak_over_baseline"]), None, None])
+    for r in doc["load"]:
+        if "error" not in r:
+            rows.append([f"load {r['model']}", mb(r["peak"]), mb(r["peak_over_baseline"]),
+                         f"1.5 × float32 parameters, {mb(r['bound'])}", f"{r['ratio_over_baseline'] / 1.5:.2f}"])
+    return benchdoc.markdown_table(("case", "peak RSS", "peak over the runtime baseline", "bound",
+                                    "over baseline / bound"), rows)
+
+
+def measure(args, argv) -> dict:
+    """Every case, each in a fresh process, printed as it finishes; every number, as a dict."""
     if args.quick:
         args.model, args.prompt, args.steps, args.steps_prompt, args.loads = "minilm", 32, "2,4", 16, "minilm"
     Ts = [int(t) for t in args.steps.split(",")]
@@ -299,9 +334,10 @@ def main(argv=None):
         print(f"  {name:<9} {fmt(r['param_bytes'])} {fmt(r['baseline_rss'])} {fmt(r['peak'])} "
               f"{fmt(r['peak_over_baseline'])} {fmt(r['bound'])} {r['ratio_over_baseline']:6.2f} "
               f"{str(r['below_bound_over_baseline']):>5} {r['seconds']:6.1f}")
-    with open(args.json, "w") as fh:
-        json.dump(doc, fh, indent=2)
-    print(f"\nwrote {args.json}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
+        print(f"\nwrote {args.json}")
     return doc
 
 

@@ -56,6 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+import benchdoc  # noqa: E402
 import numpy_baseline as NB  # noqa: E402
 from powerlens import (Subspaces, layer_matrices, layer_spectra, reference_subspaces, simulate,  # noqa: E402
                        sphere_tokens, synthetic_system)
@@ -119,7 +120,30 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=8,
                     help="also time the sweep as lax.map over chunks of this many vmapped systems "
                          "(keeps each chunk's weights in cache across the T steps; 0 = off)")
+    benchdoc.add_doc_option(ap, "simulate")
     args = ap.parse_args(argv)
+    with benchdoc.Capture() as printed:
+        res = run(args)
+    rows = [[f"powerlens, {name}", f"{wall:.3f} s", f"{cpu:.3f} s", f"{res['numpy'][0] / wall:.1f}×",
+             f"{res['flops'] / wall / 1e9:.1f} GFLOP/s ({100 * res['flops'] / wall / 1e9 / res['matmul']:.0f} %)"]
+            for name, (wall, cpu) in res["jax"].items()]
+    t_np, c_np = res["numpy"]
+    rows.append(["NumPy loop" + (f" ({res['numpy_timed']} systems timed, extrapolated)"
+                                 if res["numpy_timed"] < args.systems else ""),
+                 f"{t_np:.2f} s", f"{c_np:.2f} s", "1.0×", f"{res['flops'] / t_np / 1e9:.1f} GFLOP/s"])
+    table = benchdoc.markdown_table(("path", "wall time", "CPU time", "speed-up over the NumPy loop (wall)",
+                                     "rate (% of a 2048³ matmul)"), rows)
+    benchdoc.write_if_asked(args, "simulate", argv, [table], printed.text,
+                            summary=f"{args.systems} synthetic shared-weight systems, d = {args.d}, {args.heads} "
+                                    f"heads, {args.tokens} tokens, softmax, T = {args.steps}, paper rule, every "
+                                    "measure, float32: one compiled call against the same maths in a NumPy loop.")
+    return res
+
+
+def run(args) -> dict:
+    """The benchmark; returns {"jax": {variant: (wall s, CPU s)}, "numpy": (wall s, CPU s),
+    "numpy_timed": systems timed in NumPy, "flops": the sweep's FLOPs, "matmul": JAX's 2048^3
+    GFLOP/s}."""
     S, T, n, d, H = args.systems, args.steps, args.tokens, args.d, args.heads
     e = -(-d // H)
     print(f"devices: {jax.devices()}  |  workload: {S} systems, d={d}, {H} heads x {e}, n={n} tokens, "
@@ -205,6 +229,7 @@ def main(argv=None):
           f"{mm_cpu:.1f} GFLOP per CPU-s ({100 * (fl / c_jax) / (mm_cpu * 1e9):.0f}%)")
     print(f"targets: speedup >= 20x: {'met' if t_np / t_jax >= 20 else 'NOT met'}; "
           f">= 25% of matmul: {'met' if achieved >= 0.25 * mm else 'NOT met'}")
+    return {"jax": timings, "numpy": (t_np, c_np), "numpy_timed": sub_n, "flops": fl, "matmul": mm}
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import benchdoc  # noqa: E402
 
 from powerlens.dynamics import synthetic as S  # noqa: E402
 from powerlens.steering.optimize import (last_layer_terms, optimize_steering, prepare_problem,  # noqa: E402
@@ -107,6 +110,8 @@ def run(name, args):
     print(f"  results: ||dO|| vmapped vs loop, median rel. diff {np.median(rel):.1e}, max {np.max(rel):.1e} "
           f"(float32 paths) | feasible {int(np.asarray(r_vec['feasible']).sum())}"
           f"/{len(D)} | median ||dO|| gradient / closed form {np.nanmedian(ratio):.3f}")
+    return {"problem": label, "devices": jax.device_count(), "solve_vmapped": t_vec, "solve_one_device": t_vec1,
+            "solve_loop": t_loop, "api_vmapped": t_api_vec, "api_loop": t_api_loop}
 
 
 def main(argv=None):
@@ -115,9 +120,22 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--directions", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
+    benchdoc.add_doc_option(ap, "steering")
     args = ap.parse_args(argv)
-    for name in (["minilm", "synthetic"] if args.problem == "both" else [args.problem]):
-        run(name, args)
+    with benchdoc.Capture() as printed:
+        results = [run(name, args) for name in (["minilm", "synthetic"] if args.problem == "both"
+                                                 else [args.problem])]
+    rows = [[r["problem"], f"{r['solve_vmapped']:.4f} s ({r['devices']} devices), {r['solve_one_device']:.4f} s (1)",
+             f"{r['solve_loop']:.4f} s", f"{r['solve_loop'] / r['solve_vmapped']:.1f}×",
+             f"{r['api_vmapped']:.3f} s", f"{r['api_loop']:.3f} s", f"{r['api_loop'] / r['api_vmapped']:.1f}×"]
+            for r in results]
+    table = benchdoc.markdown_table(("problem", "solve: vmapped", "solve: one call per direction", "ratio",
+                                     "API: one call", "API: one call per direction", "ratio"), rows)
+    benchdoc.write_if_asked(args, "steering", argv, [table], printed.text, packages=("optax",),
+                            summary=f"The optax steering solve ({args.steps} Adam steps, rank 1, worst-token "
+                                    f"alignment 0.9) for {args.directions} directions, vmapped against one call "
+                                    "per direction; best of the repeats, compilation excluded.")
+    return results
 
 
 if __name__ == "__main__":

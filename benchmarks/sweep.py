@@ -178,11 +178,37 @@ def main(argv=None):
     ap.add_argument("--coordinator", help=argparse.SUPPRESS)
     ap.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    sys.path.insert(0, HERE)
+    import benchdoc
+    benchdoc.add_doc_option(ap, "sweep")
     args = ap.parse_args(argv)
     args.tmp = args.tmp or tempfile.gettempdir()
     if args.worker:
         worker(args)
         return
+    with benchdoc.Capture() as printed:
+        one, many, two = measure(args)
+    table = benchdoc.markdown_table(
+        ("variant", "systems per second", "time", "over one device"),
+        [["1 process × 1 device", f"{one['systems_per_s']:.1f}", f"{one['seconds']:.2f} s", "1.00×"],
+         [f"1 process × {many['devices']} devices", f"{many['systems_per_s']:.1f}", f"{many['seconds']:.2f} s",
+          f"{many['systems_per_s'] / one['systems_per_s']:.2f}×"],
+         ["2 processes × 1 device", f"{two['systems_per_s']:.1f}", f"{two['seconds']:.2f} s",
+          f"{two['systems_per_s'] / one['systems_per_s']:.2f}×"],
+         [f"hand-tuned kernel, {many['devices']} devices ({many['kernel_systems']} prebuilt systems)",
+          f"{many['kernel_systems_per_s']:.1f}", f"{many['kernel_s']:.3f} s",
+          f"{many['kernel_systems_per_s'] / one['systems_per_s']:.2f}×"],
+         ["resumed, half the chunks present", None, f"{one['resume_half_s']:.2f} s", None],
+         ["resumed, every chunk present", None, f"{one['resume_all_s']:.2f} s", None]])
+    benchdoc.write_if_asked(args, "sweep", argv, [table], printed.text, packages=("pandas", "pyarrow"),
+                            summary=f"The sweep engine: {args.systems} synthetic systems, d = {args.d}, "
+                                    f"{args.heads} heads, {args.tokens} tokens, softmax, T = {args.steps}, paper "
+                                    "rule, every measure, float32, each variant in a fresh process after a "
+                                    "compiling warm-up.")
+
+
+def measure(args):
+    """The three launches (one device, every host device, two processes), printed; their numbers."""
     cores = os.cpu_count() or 1
     print(f"workload: {args.systems} systems, d={args.d}, {args.heads} heads, n={args.tokens} tokens, softmax, "
           f"T={args.steps}, rule paper, measures on, float32; {cores} CPU cores; default chunking")
@@ -206,6 +232,7 @@ def main(argv=None):
     print(f"targets: 2 processes >= 1.7x one device: {'met' if r_two >= 1.7 else 'NOT met'}; engine within 10% of "
           f"the hand-tuned kernel: {'met' if r_kernel >= 0.9 else 'NOT met'}; resume overhead < 5%: "
           f"{'met' if one['resume_overhead'] < 0.05 else 'NOT met'}")
+    return one, many, two
 
 
 if __name__ == "__main__":

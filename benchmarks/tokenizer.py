@@ -9,9 +9,14 @@ first build including the one-time import of transformers; then the transformers
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchdoc  # noqa: E402
 
 OURS = r"""
 import json, time
@@ -45,13 +50,27 @@ def run(code: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> None:
-    ours, theirs = run(OURS), run(THEIRS)
-    total = ours["spec"] + ours["first_build"]
-    print(f"powerlens: metadata {ours['spec']:.3f} s + build {ours['build']:.3f} s "
-          f"(first build, with the transformers import: {ours['first_build']:.3f} s; total {total:.3f} s)")
-    print(f"transformers' GGUF tokenizer (needs torch): {theirs['transformers']:.3f} s "
-          f"-> {theirs['transformers'] / total:.1f}x slower")
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchdoc.add_doc_option(ap, "tokenizer")
+    args = ap.parse_args(argv)
+    with benchdoc.Capture() as printed:
+        ours, theirs = run(OURS), run(THEIRS)
+        total = ours["spec"] + ours["first_build"]
+        print(f"powerlens: metadata {ours['spec']:.3f} s + build {ours['build']:.3f} s "
+              f"(first build, with the transformers import: {ours['first_build']:.3f} s; total {total:.3f} s)")
+        print(f"transformers' GGUF tokenizer (needs torch): {theirs['transformers']:.3f} s "
+              f"-> {theirs['transformers'] / total:.1f}x slower")
+    table = benchdoc.markdown_table(
+        ("path", "time", "over powerlens's first build"),
+        [["powerlens: the file's metadata, then the first build", f"{total:.3f} s", "1.0×"],
+         ["powerlens: a second build", f"{ours['build']:.3f} s", f"{ours['build'] / total:.2f}×"],
+         ["transformers' GGUF path (needs torch)", f"{theirs['transformers']:.3f} s",
+          f"{theirs['transformers'] / total:.1f}×"]])
+    benchdoc.write_if_asked(args, "tokenizer", argv, [table], printed.text,
+                            packages=("tokenizers", "transformers", "torch", "gguf"),
+                            summary="Building SmolLM2's tokenizer from its GGUF file, each path in a fresh process.")
+    return {"powerlens": ours, "transformers": theirs}
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ that the two agree, then times each side (best of ``--repeat``, and of as many c
 
 Run ``python benchmarks/vs_torch.py`` (add ``--tiny`` for the small configuration the test
 suite runs, ``--only A,B`` to pick workloads, ``--models minilm --sizes 8x128`` to narrow A).
-A header line comes first (the command, the commit, the date, the CPU, the versions:
-:func:`run_header`; ``benchmarks/vs_torch_runs.py`` reads saved outputs into one table of every
-run). The matmul ceiling (a 2048^3 float32 matmul in each framework) is printed next, and again
+The matmul ceiling (a 2048^3 float32 matmul in each framework) is printed first, and again
 after workload A, followed by each paper-rule row's matmul rate (its matmul FLOPs over its
 time, :func:`paper_flops`) as a fraction of the faster of JAX's two large-matmul rates. Each
-line prints the powerlens / torch speed ratio (> 1: powerlens is faster).
+line prints the powerlens / torch speed ratio (> 1: powerlens is faster). At the end the run
+writes ``docs/benchmarks/vs_torch.md`` (``benchmarks/benchdoc.py``: the command, the date, the
+CPU and the versions, then workload A as a table, :func:`workload_a_table`, B-E as another,
+:func:`bcde_table`, and the printed output); ``--tiny`` writes none unless given ``--doc``.
 """
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 # Every CPU core a JAX host device, as benchmarks/simulate.py does, so that D's sweep splits its
 # systems over the cores (pl.simulate_sweep); set before jax is imported. A single-device
-# program (A-C, E) runs as before: measured on B, the flag moved it by less than the noise.
+# program (A-C, E) runs on the first device, as without the flag.
 # Only when run as a script: imported (by the tests), it must not change their subprocesses.
 if __name__ == "__main__" and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -66,6 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as TF  # noqa: E402
 
+import benchdoc  # noqa: E402
 import powerlens as pl  # noqa: E402
 
 
@@ -73,10 +76,8 @@ import powerlens as pl  # noqa: E402
 
 MIN_SECONDS = 2.0
 """A fast call is timed until this many seconds are spent on it (at most 200 samples, at least
-``repeat``), in turns with the other side: this machine's speed drifts in phases of seconds,
-and the best of 3 calls of a few ms was often taken in a slow phase of it. Measured on MiniLM
-8 x 128, paper rule, torch against powerlens timed five times in a row: with 0.5 s the ratio
-came out 0.89-1.38, with 2 s 1.17-1.34."""
+``repeat``), in turns with the other side (:func:`best_of_each`), so that a slow phase of a
+shared machine falls on both sides of a ratio (why 2 s: docs/performance.md, "Timing")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,7 +429,6 @@ def workload_d(S, T, timing, report, check_steps=10):
     the median over the systems of each one's largest; ``apart``, how many systems end more
     than 1e-4 apart; ``f64_abs_err``, the largest with both sides in float64 from the same
     inputs over the first ``check_steps`` steps (the same maths)."""
-    sys.path.insert(0, HERE)
     from simulate import build                                       # the benchmark's own systems
     d, heads, n = 64, 4, 32
     _, stacked, subs, X0 = build(S, d, heads, n, T)
@@ -763,36 +763,61 @@ def try_compile(model, timing, report):
                     error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
 
 
-def source_commit() -> str:
-    """The checkout's commit (abbreviated, "+dirty" when tracked files differ from it), or "" when
-    git or the repository is not there."""
-    import subprocess
-    root = os.path.join(HERE, "..")
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return commit + ("+dirty" if dirty else "")
+# --------------------------------------------------------------------------- the results file
+
+MODEL_NAMES = {"minilm": "MiniLM", "smollm2": "SmolLM2"}
+
+A_COLUMNS = ("model", "prompts × tokens", "paper rule, states: powerlens / torch", "ratio",
+             "paper rule, every measure: ratio (time over states only)", "full block, states: powerlens / torch",
+             "ratio")
+"""Workload A's table: one row per model and size; a ratio is torch's time over powerlens's
+(> 1: powerlens is faster)."""
+
+AGREEMENT = ("rel_err", "abs_err_median", "f64_abs_err", "norm_rel_median", "f64_hist_rel_max")
+"""The fields of a B-E line shown as its agreement with torch (``abs_err`` only where the line
+has none of these)."""
 
 
-def run_header(argv=None) -> str:
-    """The first line of a run's output: the command, the commit it ran at, the date, the CPU and
-    its cores (``benchmarks/vs_torch_runs.py`` reads the commit from it)."""
-    import platform
-    args = " ".join(sys.argv[1:] if argv is None else argv)
-    commit = source_commit()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return (f"# python benchmarks/vs_torch.py{' ' + args if args else ''}{' at ' + commit if commit else ''}, "
-            f"{time.strftime('%Y-%m-%d %H:%M')}, {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"jax {jax.__version__}")
+def seconds(t: float) -> str:
+    """A time to 3 significant digits, in ms below a second: 1.80 ms, 61.0 ms, 261 ms, 1.44 s."""
+    value, unit = (t * 1e3, "ms") if t < 1 else (t, "s")
+    digits = max(0, 2 - int(math.floor(math.log10(value)))) if value > 0 else 2
+    return f"{value:.{digits}f} {unit}"
+
+
+def workload_a_table(lines) -> list:
+    """Workload A's lines (the dicts :func:`main` reports) as :data:`A_COLUMNS`' Markdown table;
+    a cell whose line is missing is "–"."""
+    rows = {}
+    for x in lines:
+        if x.get("workload") == "A" and "ratio" in x:
+            rows.setdefault((x["model"], x["size"]), {})[(x["rule"], x["what"])] = x
+    table = []
+    for (model, size), got in rows.items():
+        cells = [MODEL_NAMES.get(model, model), size.replace("x", " × ")]
+        for rule, what in (("paper", "states"), ("paper", "measures"), ("full", "states")):
+            x = got.get((rule, what))
+            if what == "measures":
+                cells.append(None if x is None else f"{x['ratio']:.2f}× ({x['measures_over_states']:.2f})")
+            elif x is None:
+                cells += [None, None]
+            else:
+                cells += [f"{seconds(x['powerlens_s'])} / {seconds(x['torch_s'])}", f"{x['ratio']:.2f}×"]
+        table.append(cells)
+    return benchdoc.markdown_table(A_COLUMNS, table)
+
+
+def bcde_table(lines) -> list:
+    """Workloads B-E as a Markdown table: what was run, both times, the ratio and the agreement
+    fields (:data:`AGREEMENT`)."""
+    rows = []
+    for x in lines:
+        if x.get("workload") in ("B", "C", "D", "E") and "ratio" in x:
+            fields = [k for k in AGREEMENT if k in x] or [k for k in ("abs_err",) if k in x]
+            rows.append([x["workload"], f"{x['model']} {x['size']} {x['what']}", seconds(x["powerlens_s"]),
+                         seconds(x["torch_s"]), f"{x['ratio']:.2f}×",
+                         ", ".join(f"{k} {x[k]:.2g}" for k in fields) or None])
+    return benchdoc.markdown_table(("workload", "what", "powerlens", "torch", "ratio", "agreement"), rows)
 
 
 def main(argv=None):
@@ -804,8 +829,23 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile attempt")
     ap.add_argument("--torch-threads", type=int, default=0,
-                    help="torch's intra-op threads (default 0: all cores, as the issue asks)")
+                    help="torch's intra-op threads (default 0: all cores)")
+    benchdoc.add_doc_option(ap, "vs_torch")
     args = ap.parse_args(argv)
+    with benchdoc.Capture() as printed:
+        lines = run_workloads(args)
+    tables = [workload_a_table(lines)] if any(x.get("workload") == "A" for x in lines) else []
+    if any(x.get("workload") in ("B", "C", "D", "E") for x in lines):
+        tables.append(bcde_table(lines))
+    benchdoc.write_if_asked(args, "vs_torch", argv, tables, printed.text, packages=("torch",),
+                            summary="powerlens against the torch code a researcher would write instead: workloads "
+                                    "A-E (the script's docstring), both sides on every core, float32, timed in "
+                                    "turns; a ratio is torch's time over powerlens's (> 1: powerlens is faster).")
+    return lines
+
+
+def run_workloads(args) -> list:
+    """Every workload ``args`` asks for, each reported as it finishes; the reported lines."""
     timing = Timing(args.repeat, 0.0 if args.tiny else MIN_SECONDS)
     torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     only = set(args.only.split(","))
@@ -819,7 +859,6 @@ def main(argv=None):
                         for k, v in line.items() if k not in keys)
         print(f"{head:<45} {nums}", flush=True)
 
-    print(run_header(argv))
     matmul_timing = Timing(1 if args.tiny else 3, timing.min_seconds)
     gj, gt = matmul_rates(matmul_timing)
     print(f"matmul 2048^3 float32: jax {gj:.0f} GFLOP/s, torch {gt:.0f} GFLOP/s (torch threads "

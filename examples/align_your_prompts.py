@@ -26,8 +26,7 @@ import os
 
 import numpy as np
 
-from powerlens.analysis.alignment import align_model
-from powerlens.models import load
+import powerlens as pl
 
 DEFAULT_TEXTS = ["The cat sat on the mat because it was warm.",
                  "Paris is the capital and largest city of France.",
@@ -53,8 +52,8 @@ def main(argv=None) -> dict:
     if not texts:
         texts = ["The cat sat on the mat.", "Paris is in France."] if args.quick else DEFAULT_TEXTS
 
-    model = load(args.model)
-    res = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
+    model = pl.load(args.model)
+    res = pl.align(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
                       seed=args.seed)
     print(f"{args.model}: rule {res.rule}, {res.mode}, {res.n_prompts} prompts, {res.n_tokens} tokens")
     print(f"{'t':>3} {'layer':>5} {'γ shifted':>9} {'γ plain':>8} {'chance':>7} {'ρ shifted':>9} "

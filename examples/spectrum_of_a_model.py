@@ -22,11 +22,7 @@ import os
 
 import numpy as np
 
-from powerlens.analysis import plots
-from powerlens.analysis.alignment import model_spectra
-from powerlens.analysis.spectra import layer_spectra, spectra_json
-from powerlens.dynamics.params import layer_matrices
-from powerlens.models import load
+import powerlens as pl
 
 
 def main(argv=None) -> dict:
@@ -38,12 +34,12 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     n_layers = 3 if args.quick and args.layers is None else args.layers
 
-    model = load(args.model)
+    model = pl.load(args.model)
     if n_layers is None:
-        spectra = model_spectra(model)                      # float64 eig of every F_t
+        spectra = pl.model_spectra(model)                      # float64 eig of every F_t
     else:
-        F = np.asarray(layer_matrices(model.layers), np.float64)[:n_layers]
-        spectra = layer_spectra(F)
+        F = np.asarray(pl.layer_matrices(model.layers), np.float64)[:n_layers]
+        spectra = pl.layer_spectra(F)
     cfg = model.layers.config
     print(f"{args.model}: {cfg.family}, d={cfg.d_model}, {cfg.n_heads} heads "
           f"({cfg.n_kv_heads} kv), {model.layers.n_unique} unique layers; showing {len(spectra)}")
@@ -58,10 +54,10 @@ def main(argv=None) -> dict:
     print(f"orderings differ on {len(differ)} of {len(spectra)} layers: {differ}")
 
     os.makedirs(args.out, exist_ok=True)
-    fig = plots.plot_eigenvalues(spectra, os.path.join(args.out, "eigenvalues.png"),
+    fig = pl.plots.plot_eigenvalues(spectra, os.path.join(args.out, "eigenvalues.png"),
                                  title=f"Eigenvalues of F_t = O_t V_t, {args.model}")
     with open(os.path.join(args.out, "spectrum.json"), "w") as fh:
-        json.dump({"model": args.model, "layers": spectra_json(spectra)}, fh, indent=1)
+        json.dump({"model": args.model, "layers": pl.spectra_json(spectra)}, fh, indent=1)
     print(f"wrote {fig} and {os.path.join(args.out, 'spectrum.json')}")
     return {"spectra": spectra, "out": args.out}
 

@@ -27,17 +27,14 @@ import os
 
 import numpy as np
 
-from powerlens.analysis import plots
-from powerlens.dynamics import run_batch
-from powerlens.models import embed, load
-from powerlens.steering import alignment_alpha, entering_states, output_effects, parse_direction, rank1
+import powerlens as pl
 
 DEFAULT_TEXTS = ["My favourite city is", "The weather today is", "For dinner we will cook"]
 
 
 def paper_final_cos(layers, x0, valid, u):
     """cos(x_i, u) of every valid token after all layers of the `paper` dynamics (flat)."""
-    Y = np.asarray(run_batch(layers, x0, valid, rule="paper", observe=("final",))["final"], np.float64)
+    Y = np.asarray(pl.run_batch(layers, x0, valid, rule="paper", observe=("final",))["final"], np.float64)
     return ((Y @ u) / np.linalg.norm(Y, axis=-1))[np.asarray(valid)]
 
 
@@ -57,21 +54,21 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     texts = args.text or (DEFAULT_TEXTS[:1] if args.quick else DEFAULT_TEXTS)
 
-    model = load(args.model)
-    direction = parse_direction(f"token:{args.word}", model=model)
+    model = pl.load(args.model)
+    direction = pl.parse_direction(f"token:{args.word}", model=model)
     u = direction.vector
-    x0, valid = embed(model, texts)
-    X, vb = entering_states(model.layers, x0, valid)          # tokens entering the last layer (paper rule)
+    x0, valid = pl.embed(model, texts)
+    X, vb = pl.entering_states(model.layers, x0, valid)          # tokens entering the last layer (paper rule)
     signed = args.sign != "free"
     try:
-        aa = alignment_alpha(model.layers, X, u, target=args.target, valid=vb, w=args.w, signed=signed)
+        aa = pl.alignment_alpha(model.layers, X, u, target=args.target, valid=vb, w=args.w, signed=signed)
     except ValueError as exc:      # a token with s_i < 0 cannot reach +u; the sign-free |cos| can
         if args.sign != "auto":
             raise
         print(f"signed target infeasible ({str(exc).split(':')[0]}); using the sign-free |cos(y_i, u)| instead")
         signed = False
-        aa = alignment_alpha(model.layers, X, u, target=args.target, valid=vb, w=args.w, signed=False)
-    r = rank1(model.layers, u, alpha=aa.alpha, w=args.w)
+        aa = pl.alignment_alpha(model.layers, X, u, target=args.target, valid=vb, w=args.w, signed=False)
+    r = pl.rank1(model.layers, u, alpha=aa.alpha, w=args.w)
     before = paper_final_cos(model.layers, x0, valid, u)
     after = paper_final_cos(r.layers, x0, valid, u)
     print(f"{args.model}: steer layer {r.layer} toward token {direction.token!r} (id {direction.token_id}), "
@@ -84,7 +81,7 @@ def main(argv=None) -> dict:
           f"after mean {after.mean():.4f} min {after.min():.4f} (min |cos| {np.abs(after).min():.4f}, "
           f"target {'cos' if signed else '|cos|'} >= {args.target})")
 
-    eff = output_effects(model, u, r.delta_O, texts, target_id=direction.token_id, k=50,
+    eff = pl.output_effects(model, u, r.delta_O, texts, target_id=direction.token_id, k=50,
                          neutral=None if args.quick else ["The weather is nice today.", "She opened the door."])
     c = eff["conditions"]
     print(f"model's own forward (FFN included), activation addition with β = {eff['beta']:.4g}:")
@@ -99,7 +96,7 @@ def main(argv=None) -> dict:
         print(line)
 
     os.makedirs(args.out, exist_ok=True)
-    figs = [plots.plot_histogram_before_after(before, after, os.path.join(args.out, "alignment_hist.png"),
+    figs = [pl.plots.plot_histogram_before_after(before, after, os.path.join(args.out, "alignment_hist.png"),
                                               xlabel="cos(final token, u), paper rule",  # signed, always
                                               title=f"Steering toward {direction.token!r}: α = {r.alpha:.3g}")]
     if eff["decoder"]:      # the union of the top-5 before and after, probabilities from the top-50 lists
@@ -107,7 +104,7 @@ def main(argv=None) -> dict:
         ids = list(dict.fromkeys(list(top("before"))[:5] + list(top("rank1"))[:5]))
         prob = lambda name: [top(name)[i]["prob"] if i in top(name) else 0.0 for i in ids]
         labels = [(top("before") | top("rank1"))[i]["token"] for i in ids]
-        figs.append(plots.plot_bars(labels, prob("before"), prob("rank1"), os.path.join(args.out, "topk.png"),
+        figs.append(pl.plots.plot_bars(labels, prob("before"), prob("rank1"), os.path.join(args.out, "topk.png"),
                                     title=f"Next token after {texts[0]!r}, rank-1 steering toward {direction.token!r}"))
     with open(os.path.join(args.out, "steer.json"), "w") as fh:
         json.dump({"model": args.model, "texts": texts, "direction": direction.to_json(), "target": args.target,

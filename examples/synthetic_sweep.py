@@ -24,11 +24,7 @@ import os
 import jax
 import numpy as np
 
-from powerlens.analysis import plots
-from powerlens.analysis.spectra import sweep_subspaces
-from powerlens.dynamics.sweep import simulate_sweep, stack_systems
-from powerlens.dynamics.synthetic import cone_tokens, synthetic_system
-from powerlens.reproduce.synthetic import fit_rate
+import powerlens as pl
 
 
 def main(argv=None) -> dict:
@@ -56,18 +52,18 @@ def main(argv=None) -> dict:
         systems = []
         for i, l1 in enumerate(lam1):
             spec = [l1, args.ratio * l1] + list(rng.uniform(-0.3, 0.3, args.d - 2) * args.ratio * l1)
-            systems.append(synthetic_system(spec, kind=args.kind, heads=args.heads, beta=args.beta, d=args.d,
+            systems.append(pl.synthetic_system(spec, kind=args.kind, heads=args.heads, beta=args.beta, d=args.d,
                                             seed=args.seed + i, steps=T, dtype=np.float64))
-        spectra, subs = sweep_subspaces(systems, seed=args.seed)
-        X0 = np.stack([cone_tokens(rng, args.tokens, rng.standard_normal(args.d),
+        spectra, subs = pl.sweep_subspaces(systems, seed=args.seed)
+        X0 = np.stack([pl.cone_tokens(rng, args.tokens, rng.standard_normal(args.d),
                                    rng.uniform(0, args.cone, args.tokens)[:, None]) for _ in systems])
-        traj = jax.tree_util.tree_map(np.asarray, simulate_sweep(stack_systems(systems), X0, subs))
+        traj = jax.tree_util.tree_map(np.asarray, pl.simulate_sweep(pl.stack_systems(systems), X0, subs))
 
     mu = np.asarray(traj.consensus, float)                              # (S, T+1)
     top = np.array([sp[0].shifted.top.real for sp in spectra])          # λ1 of each F, from eig
     pred = 1.0 / np.abs(1.0 + top)
-    meas = np.array([fit_rate(m, 1e-11, 1e-4) for m in mu])
-    gamma = np.asarray(traj.gamma, float)[:, -1, 0]                     # final alignment with v1
+    meas = pl.fit_rates(mu, (1e-11, 1e-4))                               # exp(slope of log μ_t), per system
+    gamma = np.asarray(traj.gamma, float)[:, -1, traj.index("principal")]   # final alignment with v1
     print(f"{S} {args.kind} systems, d={args.d}, {args.tokens} tokens, {args.heads} heads, β={args.beta}, "
           f"T={T}, softmax attention, rule paper")
     print(f"{'λ1':>8} {'1/|1+λ1|':>9} {'measured':>9} {'rel.err':>8} {'1/|λ1|':>8} {'final γ':>8}")
@@ -78,10 +74,10 @@ def main(argv=None) -> dict:
           f"(against 1/|λ1|: {np.nanmedian(np.abs(meas - 1 / np.abs(top)) * np.abs(top)):.1%})")
 
     os.makedirs(args.out, exist_ok=True)
-    figs = [plots.plot_scatter_predicted(pred, meas, os.path.join(args.out, "rates.png"),
+    figs = [pl.plots.plot_scatter_predicted(pred, meas, os.path.join(args.out, "rates.png"),
                                          xlabel="predicted rate 1/|1+λ1|", ylabel="measured rate μ(t+1)/μ(t)",
                                          title=f"Consensus rate, {S} {args.kind} systems ({args.heads} heads)"),
-            plots.plot_curve(np.arange(T + 1), {f"λ1={l1:.2f}": m for l1, m in zip(top, mu)},
+            pl.plots.plot_curve(np.arange(T + 1), {f"λ1={l1:.2f}": m for l1, m in zip(top, mu)},
                              os.path.join(args.out, "consensus.png"), xlabel="step t",
                              ylabel="consensus distance μ(X_t)", logy=True, title="Consensus per system")]
     with open(os.path.join(args.out, "sweep.json"), "w") as fh:

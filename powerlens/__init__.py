@@ -17,6 +17,15 @@ The whole tour in one namespace::
     model = pl.load("minilm")                                     # or smollm2, a folder, a .gguf
     x0, valid = pl.embed(model, ["The cat sat on the mat."])
     res = pl.align(model, ["The cat sat on the mat."], rule="paper")
+
+    # a decoder's own forward pass, cached: states, attention, gamma/rho by reference, logits
+    smol = pl.load("smollm2")
+    tr = pl.trace(smol, ["The capital of France is"], attention_weights=True)
+    tr.gamma["principal"], tr.rho["random"], tr.attention.shape      # "float[T]", "float[T]", (T, B, H, n, n)
+    pl.top_tokens(smol, tr.next_logits[0], k=3)                   # [TopToken(id, text=' Paris', prob), ...]
+    hs = pl.hidden_states(smol, *pl.embed(smol, ["The capital of France is"]))
+    pl.logits(smol, hs[-1])                                        # the model's logits (final norm applied once)
+    pl.decode(smol, pl.tokenize(smol, ["The capital of France is"])[0])
     u = pl.parse_direction("token:king", model=model).vector
     a = pl.minimal_alpha(model.layers, u, x0, valid=valid, target=0.9, w="value").alignment.alpha
     steered = pl.rank1(model.layers, u, alpha=a, w="value")
@@ -31,7 +40,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> (module, attribute)
+# public name -> (module, attribute); attribute None: the module itself
 _EXPORTS = {
     # dynamics: parameters, the one scan and its observers, synthetic systems
     **{n: ("powerlens.dynamics", n) for n in (
@@ -44,25 +53,33 @@ _EXPORTS = {
     **{n: ("powerlens.dynamics.synthetic", n) for n in (
         "synthetic_system", "spectrum_matrix", "parse_spectrum", "sphere_tokens", "cone_tokens",
         "bipartite_tokens")},
+    **{n: ("powerlens.dynamics.observers", n) for n in ("attention_maps", "head_weights", "labelled")},
     "simulate_sweep": ("powerlens.dynamics.sweep", "simulate_sweep"),
     "stack_systems": ("powerlens.dynamics.sweep", "stack_systems"),
     "sweep": ("powerlens.sweeps.api", "sweep"),
     "load_sweep": ("powerlens.sweeps.api", "load_sweep"),
+    "fit_rates": ("powerlens.sweeps.columns", "fit_rates"),
     # models: checkpoints, embeddings, the model's own forward pass
     **{n: ("powerlens.models", n) for n in (
         "load", "resolve", "embed", "embed_ids", "tokenize", "hidden_states", "logits", "run_states",
         "Model", "ModelInfo", "CheckpointError")},
+    "HiddenStates": ("powerlens.models.forward", "HiddenStates"),
+    **{n: ("powerlens.models.generate", n) for n in ("generate", "Generation")},
+    **{n: ("powerlens.models.tokens", n) for n in ("decode", "top_tokens", "TopToken")},
     # analysis: spectra, statistics, alignment of a model
     **{n: ("powerlens.analysis", n) for n in (
         "ORDERS", "LayerSpectrum", "layer_spectra", "spectra_of", "reference_subspaces", "spectra_json", "sweep_subspaces",
         "binomial_pvalue", "chance_gamma", "chance_gamma_std", "random_subspace",
         "AlignResult", "align_model", "model_spectra", "run_system")},
     "align": ("powerlens.analysis", "align_model"),
+    "trace": ("powerlens.analysis.trace", "trace"),
+    "Trace": ("powerlens.analysis.trace", "Trace"),
+    "plots": ("powerlens.analysis.plots", None),             # the figure functions, a module
     # steering
     **{n: ("powerlens.steering", n) for n in (
         "rank1", "Rank1Result", "minimal_alpha", "MinimalAlpha", "principal_alpha", "alignment_alpha",
         "optimize_steering", "SteeringResult", "output_effects", "steered_model", "forward_final",
-        "parse_direction", "Direction", "checkpoint_delta")},
+        "parse_direction", "Direction", "checkpoint_delta", "alignment_alpha", "entering_states")},
 }
 
 __all__ = sorted(_EXPORTS)
@@ -73,7 +90,8 @@ def __getattr__(name: str):
         module, attr = _EXPORTS[name]
     except KeyError:
         raise AttributeError(f"module 'powerlens' has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(module), attr)
+    value = importlib.import_module(module)
+    value = value if attr is None else getattr(value, attr)
     globals()[name] = value            # resolved once
     return value
 

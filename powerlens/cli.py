@@ -5,6 +5,10 @@
     powerlens align     MODEL (--text "..." ... | --prompts FILE) --out DIR
     powerlens steer     MODEL --direction token:WORD|file.npy|random ... --out DIR
     powerlens reproduce [--models ...] [--out results] [--quick] [--seed S]
+    powerlens sweep     SPEC.toml --out DIR [--processes N | --coordinator HOST:PORT ...]
+
+MODEL is a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an
+alias: minilm, smollm2, gemma3. ``powerlens COMMAND --help`` lists a command's options.
 
 Every error on bad input is printed as one line naming what is wrong (exit status 2);
 ``--debug`` anywhere on the command line shows the traceback instead.
@@ -21,12 +25,18 @@ from typing import Optional
 # tokenizers are used), so the notice would alarm for nothing
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-MODEL_HELP = "a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: minilm, smollm2"
+MODEL_HELP = ("a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: "
+              "minilm, smollm2, gemma3")
+
+# The choices of the options, as the library names them (powerlens.dynamics.ATTENTION_MODES and
+# RULES, powerlens.analysis.ORDERS; the tests check that they agree). Written out here so that
+# building the parser, --help and every usage error import no numerical library.
+ATTENTION_MODES = ("softmax", "uniform", "identity")
+RULES = ("paper", "post_ln", "pre_ln", "full")
+ORDERS = ("shifted", "plain")
 
 
 def _common_dynamics(p: argparse.ArgumentParser) -> None:
-    from .analysis.spectra import ORDERS
-    from .dynamics import ATTENTION_MODES, RULES
     p.add_argument("--attention", choices=ATTENTION_MODES, default="softmax",
                    help="attention mode (default: softmax)")
     p.add_argument("--rule", choices=[r for r in RULES if r != "full"], default="paper",
@@ -51,8 +61,9 @@ def _output(p: argparse.ArgumentParser, *, default=None,
             help="output folder (written atomically; a folder powerlens wrote is replaced whole)") -> None:
     p.add_argument("--out", help=help, default=default, required=default is None)
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --out even if it holds files powerlens did not write (reproduce: start afresh "
-                        "instead of refusing a folder written with other settings)")
+                   help="start afresh in a folder powerlens wrote with other settings or by another command "
+                        "(reproduce; the other commands replace such a folder anyway); a folder holding files "
+                        "powerlens did not write is never emptied")
 
 
 def _prompt_options(p: argparse.ArgumentParser) -> None:
@@ -127,7 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimize", action="store_true",
                    help="gradient-based steering (optax): min ||dO||_F subject to the target alignment")
     p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
-    p.add_argument("--w", choices=["inverse", "value"], default="inverse", help="closed-form choice of w")
+    p.add_argument("--objective", choices=["alignment", "token"], default="alignment",
+                   help="alignment: the paper rule's final-token alignment with the direction (default); token: "
+                        "the model's own next-token probability of the direction's token (decoders, "
+                        "--direction token:WORD), with all four methods compared")
+    p.add_argument("--target-prob", type=float, default=0.5,
+                   help="with --objective token: p(token | prompt) every prompt must reach (default 0.5)")
+    p.add_argument("--max-kl", type=float, default=0.5,
+                   help="with --objective token: bound on the mean KL(before || after) over the control prompts "
+                        "(nats, default 0.5)")
+    p.add_argument("--controls", metavar="FILE", help="with --objective token: control prompts, one per line "
+                                                       "(default: a few neutral prompts shipped with powerlens)")
+    p.add_argument("--paraphrases", metavar="FILE",
+                   help="with --objective token: paraphrase prompts, one per line, on which the edits are evaluated "
+                        "(generalisation; three are shipped for \"The capital of France is\")")
+    p.add_argument("--layer", type=int, default=None, help="with --objective token: the edited layer (default the last)")
+    p.add_argument("--w", choices=["auto", "inverse", "value"], default="auto",
+                   help="closed-form choice of w: inverse (z = u; needs a full-rank value matrix), value "
+                        "(w = V_cat u / ||V_cat u||), or auto (default: inverse where possible, else value)")
     _prompt_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of a random direction and of the optimiser")
     _output(p)
@@ -175,6 +203,13 @@ def _align(args):
 def _steer(args):
     if args.alpha is not None and (args.target_alignment is not None or args.optimize):
         raise ValueError("--alpha fixes the change; it cannot be combined with --target-alignment or --optimize")
+    if args.objective == "token":
+        from .commands.steer_token import cmd_steer_token
+        return cmd_steer_token(args)
+    token_only = [f for f, v in (("--controls", args.controls), ("--paraphrases", args.paraphrases),
+                                 ("--layer", args.layer)) if v is not None]
+    if token_only:
+        raise ValueError(f"{token_only[0]} needs --objective token")
     from .commands.steer import cmd_steer
     return cmd_steer(args)
 
@@ -214,7 +249,8 @@ def _compilation_cache() -> Optional[str]:
     ``reproduce --quick`` spends about 60 s of its CPU time in XLA's compiler, a program
     of the measured scan about 2 s of it (0.4-0.7 s from the cache). The entries are keyed
     by JAX on the program, the jax/jaxlib versions and the XLA flags, so results are the
-    bytes the compiler would give. Off with ``POWERLENS_XLA_CACHE=off``, and where the
+    bytes the compiler would give. Every program is kept, small ones too: a short command
+    compiles mostly small ones. Off with ``POWERLENS_XLA_CACHE=off``, and where the
     folder cannot be written; a cache the user chose (``JAX_COMPILATION_CACHE_DIR``) is
     left as it is. Set through the environment too, so worker processes use the same cache.
     Returns the folder, or None when off."""
@@ -231,7 +267,9 @@ def _compilation_cache() -> Optional[str]:
     if not os.access(folder, os.W_OK):
         return None
     settings = {"jax_compilation_cache_dir": folder,
-                "jax_persistent_cache_min_compile_time_secs": 0.2,         # the programs worth a file
+                # every program: a one-prompt align compiles 18, 15 of them small, which together
+                # took longer to compile than the scan's (about 0.25 s against 0.2 s) and read back in a few ms each
+                "jax_persistent_cache_min_compile_time_secs": 0.0,
                 "jax_compilation_cache_max_size": 2 ** 30}                 # bytes, least recently used go first
     for name, value in settings.items():        # JAX reads each from the variable of its name in capitals
         os.environ.setdefault(name.upper(), str(value))
@@ -279,6 +317,9 @@ def main(argv=None) -> int:
     _limit_blas_threads()
     _compilation_cache()
     try:
+        if args.command in ("simulate", "spectrum", "align", "steer"):     # a refused folder costs no compute
+            from .io import decide_folder
+            decide_folder(args.out, command=args.command)
         if getattr(args, "x64", False):
             import jax
             with jax.enable_x64(True):          # scoped: a library caller's process keeps its setting

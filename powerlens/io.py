@@ -1,18 +1,26 @@
-"""Atomic result writing: nothing is ever left half-written.
+"""Atomic result writing and output folders: nothing is ever left half-written, and
+powerlens removes or replaces only what it wrote.
 
 Every file is written to a unique temporary name in the same folder and moved into place
-with ``os.replace``. ``output_dir`` stages a whole run in a hidden sibling folder, under a
-lock, and replaces the target folder with it only once the run has succeeded.
+with ``os.replace``. Every command decides what to do with its ``--out`` folder through
+:func:`decide_folder`; a folder powerlens wrote carries a marker listing its files.
+``output_dir`` stages a whole run in a hidden sibling folder, under a lock, and replaces the
+target folder with it only once the run has succeeded.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
+import fnmatch
 import json
 import math
 import os
+import posixpath
+import re
 import shutil
 import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -89,17 +97,71 @@ def save_npy(path: str, arr) -> str:
     return _atomic(path, lambda fh: np.save(fh, np.asarray(arr)))
 
 
-MARKER = ".powerlens-output"          # in every folder powerlens wrote: JSON {"command", "settings"}
+# ------------------------------------------------------------------ output folders
+#
+# The rule of every command: powerlens removes or replaces only what it wrote. A folder it
+# wrote carries the marker MARKER, which lists its files; decide_folder() is the one decision
+# (start, resume, replace or refuse) that every command takes before it writes.
+
+MARKER = ".powerlens-output"
+"""The marker file, JSON ``{"command", "settings", "files", "folders"}``: ``files`` are the
+paths (relative, '/'-separated) of the files powerlens wrote in the folder; ``folders`` maps an
+owned subfolder to the pattern of the paths, relative to it, of the files powerlens writes
+there (fnmatch per '/'-separated part: ``*.json``, ``*/*.json`` one folder down). Resumable
+runs (``sweep``, ``reproduce``) use them: their chunks and figures appear one by one."""
+
+_BEING_WRITTEN = re.compile(r"\.(.+)\.[A-Za-z0-9_]+\.tmp(?:\.png)?")     # a file's temporary name while written
 
 
-def check_out_path(path) -> str:
-    """The absolute target of ``--out``; an empty path or an existing file is an error."""
-    if path is None or not str(path).strip():
-        raise ValueError("--out is empty: name the output folder")
-    target = os.path.abspath(os.fspath(path))
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise ValueError(f"--out {path!r} exists and is not a directory")
-    return target
+def _relative(path) -> bool:
+    """True for a clean relative '/'-separated path that stays inside its folder."""
+    return (isinstance(path, str) and bool(path) and not path.startswith("/")
+            and all(part not in ("", ".", "..") for part in path.split("/")))
+
+
+@dataclasses.dataclass(frozen=True)
+class Contents:
+    """What powerlens wrote in an output folder, as its marker lists it (nothing without one).
+
+    ``files``: relative paths of its files (the marker included); ``folders``: pairs (owned
+    subfolder, pattern of the files below it, see :data:`MARKER`). A file being written
+    (``.NAME.X.tmp``, see :func:`write_text`; ``.NAME.X.tmp.png`` for a figure) counts as ``NAME``.
+    """
+    files: FrozenSet[str] = frozenset()
+    folders: Tuple[Tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, marker: Optional[dict]) -> "Contents":
+        if not isinstance(marker, dict):
+            return cls()
+        files, folders = marker.get("files"), marker.get("folders")
+        files = [p for p in files if _relative(p)] if isinstance(files, list) else []
+        folders = folders if isinstance(folders, dict) else {}
+        return cls(frozenset(files) | {MARKER},
+                   tuple(sorted((f, p) for f, p in folders.items() if _relative(f) and isinstance(p, str))))
+
+    def owns_file(self, rel: str) -> bool:
+        head, base = posixpath.split(rel)
+        written = _BEING_WRITTEN.fullmatch(base)
+        names = (rel,) if written is None else (rel, posixpath.join(head, written.group(1)))
+        return any(name in self.files or self._matches(name, file=True) for name in names)
+
+    def owns_dir(self, rel: str) -> bool:
+        """An owned subfolder, a folder its pattern allows, or one on the way to a listed path."""
+        owned = [f for f, _ in self.folders]
+        return (rel in owned or self._matches(rel, file=False)
+                or any(p.startswith(rel + "/") for p in [*self.files, *owned]))
+
+    def _matches(self, rel: str, *, file: bool) -> bool:
+        """``rel`` is below an owned subfolder and fits its pattern: part by part, all of it for a
+        file, the leading parts for a folder."""
+        for folder, pattern in self.folders:
+            if rel.startswith(folder + "/"):
+                parts, wanted = rel[len(folder) + 1:].split("/"), pattern.split("/")
+                if (len(parts) == len(wanted) if file else len(parts) < len(wanted)) and \
+                        all(fnmatch.fnmatchcase(part, want) for part, want in zip(parts, wanted)):
+                    return True
+        return False
 
 
 def read_marker(folder: str):
@@ -112,27 +174,202 @@ def read_marker(folder: str):
         return None
 
 
-def folder_state(folder: str) -> str:
-    """``absent``, ``empty``, ``ours`` (has the marker) or ``foreign`` (anything else)."""
-    if not os.path.isdir(folder):
-        return "absent"
+def write_marker(folder: str, command: str, settings: Optional[dict] = None, *, files=(),
+                 folders: Optional[Dict[str, str]] = None) -> str:
+    """Mark ``folder`` as written by ``command``, listing ``files`` (relative paths) and the
+    owned subfolders ``folders`` (subfolder -> pattern); see :data:`MARKER`."""
+    return write_json(os.path.join(folder, MARKER), {"command": command, "settings": settings or {},
+                                                     "files": sorted(files), "folders": dict(folders or {})})
+
+
+def foreign_entries(folder: str) -> Iterator[str]:
+    """The entries of ``folder`` that powerlens did not write, as relative paths, sorted, lazily.
+
+    That is every file its marker does not list (everything, without a marker), every symlink
+    (powerlens writes none, and none is followed), anything that is not a plain file, and every
+    folder the marker does not reach: its files, or ``NAME/`` when it is empty.
+    """
+    return _foreign(folder, "", Contents.of(read_marker(folder)))
+
+
+def _foreign(folder: str, rel: str, contents: Contents) -> Iterator[str]:
+    with os.scandir(os.path.join(folder, rel)) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        path = posixpath.join(rel, entry.name) if rel else entry.name
+        if entry.is_dir(follow_symlinks=False):
+            inner = contents if contents.owns_dir(path) else Contents()
+            empty = True
+            for inside in _foreign(folder, path, inner):
+                empty = False
+                yield inside
+            if empty and inner is not contents:
+                yield path + "/"
+        elif not (entry.is_file(follow_symlinks=False) and contents.owns_file(path)):
+            yield path
+
+
+def remove_owned(folder: str) -> None:
+    """Delete what powerlens wrote in ``folder`` (what its marker lists, the marker last) and the
+    subfolders that leaves empty; nothing else, and nothing through a symlink. The folder stays."""
+    contents = Contents.of(read_marker(folder))
+    marker = os.path.join(folder, MARKER)
     try:
-        entries = os.listdir(folder)
+        _remove(folder, "", contents)
+        if contents.files and os.path.isfile(marker) and not os.path.islink(marker):
+            os.unlink(marker)
     except OSError as exc:
-        raise ValueError(f"--out {folder}: cannot read the folder ({exc.strerror})") from None
-    if not entries:
-        return "empty"
-    return "ours" if read_marker(folder) is not None else "foreign"
+        raise ValueError(f"--out {folder}: cannot remove {exc.filename or 'its files'} ({exc.strerror})") from None
 
 
-def refuse_foreign(path, state: str, overwrite: bool) -> None:
-    if state == "foreign" and not overwrite:
-        raise ValueError(f"--out {path}: the folder is not empty and was not written by powerlens; "
-                         f"choose another folder or pass --overwrite to replace it")
+def _remove(folder: str, rel: str, contents: Contents) -> None:
+    with os.scandir(os.path.join(folder, rel)) as it:
+        entries = list(it)
+    for entry in entries:
+        path = posixpath.join(rel, entry.name) if rel else entry.name
+        if entry.is_dir(follow_symlinks=False):
+            if contents.owns_dir(path):
+                _remove(folder, path, contents)
+                with contextlib.suppress(OSError):      # not empty: something of the user's is inside
+                    os.rmdir(entry.path)
+        elif path != MARKER and entry.is_file(follow_symlinks=False) and contents.owns_file(path):
+            os.unlink(entry.path)
 
 
-def write_marker(folder: str, command: str, settings: Optional[dict] = None) -> str:
-    return write_json(os.path.join(folder, MARKER), {"command": command, "settings": settings or {}})
+def _discard(folder: str) -> None:
+    """Remove a replaced output folder: what powerlens wrote, then the folder if that empties it."""
+    remove_owned(folder)
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """True if the absolute path ``inner`` is ``outer`` or below it."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _protected(target: str) -> Optional[str]:
+    """Why ``target`` can never be an output folder (None if it can): it is the current folder,
+    the home folder, or one above either."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        cwd = None
+    home = os.path.realpath(os.path.expanduser("~"))
+    if target == cwd:
+        return "the current folder"
+    if target == home:
+        return "the home folder"
+    if cwd and _contains(target, cwd):
+        return "a folder above the current one"
+    if _contains(target, home):
+        return "a folder above the home folder"
+    return None
+
+
+def _new_folder(base: str, command: Optional[str]) -> str:
+    """A folder that does not exist yet, for a refusal to suggest: ``base/COMMAND`` (or
+    ``base/COMMAND-2``, ...), spelled from ``base`` as the user gave it."""
+    name = command or "powerlens-out"
+    real = os.path.realpath(os.path.expanduser(base))
+    for i in range(1, 100):
+        candidate = name if i == 1 else f"{name}-{i}"
+        if not os.path.lexists(os.path.join(real, candidate)):
+            return os.path.join(base, candidate)
+    return os.path.join(base, name)
+
+
+def check_out_path(path, *, command: Optional[str] = None) -> str:
+    """The absolute target of ``--out`` (``~`` expanded, symlinks resolved).
+
+    One-line errors, before anything is created: an empty path; an existing file; the current
+    folder or one above it (``.``, ``..``, ``/``); the home folder (``~``) or one above it.
+    """
+    if path is None or not str(path).strip():
+        raise ValueError("--out is empty: name the output folder")
+    raw = os.fspath(path)
+    target = os.path.realpath(os.path.expanduser(raw))
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise ValueError(f"--out {path!r} exists and is not a directory")
+    why = _protected(target)
+    if why:
+        base = raw if why in ("the current folder", "the home folder") else "."
+        raise ValueError(f"--out {raw}: {target} is {why} and cannot be an output folder; "
+                         f"choose a new folder, e.g. --out {_new_folder(base, command)}")
+    return target
+
+
+def decide_folder(path, *, command: str, settings: Optional[dict] = None, overwrite: bool = False,
+                  resume: Optional[Callable[[dict, dict], str]] = None) -> str:
+    """What ``command`` may do with its output folder ``path``: the one rule of every command.
+
+    Returns ``"start"`` (absent or empty), ``"resume"`` or ``"replace"`` (only then may the
+    caller remove anything, with :func:`remove_owned` or by swapping the folder), or raises a
+    one-line ValueError, having changed nothing:
+
+    * the paths :func:`check_out_path` refuses, with or without ``overwrite``;
+    * a folder holding anything powerlens did not write (see :func:`foreign_entries`), with or
+      without ``overwrite``: the message names one such entry and suggests a new folder;
+    * a folder powerlens wrote: a command that replaces its output whole (``resume`` None)
+      replaces it, whoever wrote it. A resumable command passes ``resume(old_settings,
+      settings)``, a phrase saying how the settings differ ('' when they do not): the same
+      command with the same settings resumes; another command or other settings are refused
+      naming the difference, unless ``overwrite``, which replaces it.
+    """
+    target = check_out_path(path, command=command)
+    if not os.path.isdir(target):
+        return "start"
+    try:
+        foreign = next(foreign_entries(target), None)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot read the folder ({exc.strerror})") from None
+    marker = read_marker(target)
+    if foreign is not None:
+        link = " (a symbolic link)" if os.path.islink(os.path.join(target, foreign.rstrip("/"))) else ""
+        unlisted = f" (its {MARKER} lists no files)" if marker is not None and "files" not in marker else ""
+        raise ValueError(f"--out {path}: {foreign!r}{link} was not written by powerlens{unlisted}, and powerlens "
+                         f"deletes only what it wrote; choose a new folder, e.g. --out "
+                         f"{_new_folder(os.fspath(path), command)}")
+    if marker is None:
+        return "start"                               # an empty folder
+    if resume is None:
+        return "replace"
+    if marker.get("command") != command:
+        problem = f"the output of `powerlens {marker.get('command')}`, not of `powerlens {command}`"
+    else:
+        problem = resume(marker.get("settings") or {}, settings or {})
+        if not problem:
+            return "resume"
+    if overwrite:
+        return "replace"
+    raise ValueError(f"--out {path} holds {problem}; pass --overwrite to replace it (only what powerlens "
+                     f"wrote there is removed), or choose another folder")
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_error(target: str, exc: OSError) -> ValueError:
+    """The one-line error for a failed write into the output folder ``target``."""
+    if exc.errno in DISK_FULL:
+        return ValueError(f"--out {target}: the disk is full ({exc.strerror}); free some space or "
+                          f"choose a folder on another disk")
+    return ValueError(f"--out {target}: cannot write there ({exc.strerror})")
+
+
+def mark_resumable(folder: str, command: str, settings: dict, *, files, folders: Dict[str, str]) -> None:
+    """Create ``folder`` if need be and mark it as a resumable run's (``sweep``, ``reproduce``):
+    the ``files`` it will hold and its owned subfolders ``folders`` (see :data:`MARKER`). On
+    failure, a folder made here is removed again."""
+    try:
+        created = _make_folders(folder)
+    except OSError as exc:
+        raise write_error(folder, exc) from None
+    try:
+        write_marker(folder, command, settings, files=files, folders=folders)
+    except OSError as exc:
+        _remove_empty(created)
+        raise write_error(folder, exc) from None
 
 
 def public_mode(path: str, mode: int = 0o777) -> None:
@@ -142,72 +379,153 @@ def public_mode(path: str, mode: int = 0o777) -> None:
     os.chmod(path, mode & ~mask)
 
 
-@contextlib.contextmanager
-def folder_lock(target: str) -> Iterator[None]:
-    """Hold an exclusive lock for writing ``target`` (the file ``.NAME.lock`` beside it).
+def _make_folders(folder: str) -> list:
+    """``os.makedirs(folder)``, returning the folders it created, outermost first."""
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    created = []
+    try:
+        for path in reversed(missing):
+            os.mkdir(path)
+            created.append(path)
+    except OSError:
+        _remove_empty(created)
+        raise
+    return created
 
-    A second writer of the same folder is refused at once with a message naming the folder
-    and the process that holds it. The lock file itself stays (empty, hidden).
-    """
+
+def _remove_empty(folders: list) -> None:
+    """Remove ``folders`` (outermost first) again where they are still empty."""
+    for path in reversed(folders):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _acquire(path: str, target: str) -> int:
+    """Open and lock the lock file ``path`` (refused at once when held); returns its descriptor."""
     import fcntl
-    parent, name = os.path.split(target)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        fd = os.open(os.path.join(parent, f".{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise ValueError(f"--out {target}: cannot write there ({exc.strerror})") from None
-    try:
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise write_error(target, exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
             raise ValueError(f"--out {target} is being written by another powerlens run (pid {holder}); "
                              f"wait for it to finish or choose another folder") from None
+        try:
+            current = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)            # its holder removed it as it finished: lock the file there now
+    try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        os.close(fd)                        # releases the lock
-
-
-def remove_stale_staging(target: str) -> None:
-    """Delete the hidden staging/old folders that a killed run left beside ``target``
-    (call with the folder lock held: no live run owns them then)."""
-    parent, name = os.path.split(target)
-    for entry in os.listdir(parent):
-        if entry.startswith((f".{name}.partial-", f".{name}.old-")):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    except OSError as exc:
+        os.unlink(path)
+        os.close(fd)
+        raise write_error(target, exc) from None
+    return fd
 
 
 @contextlib.contextmanager
-def output_dir(path: str, *, overwrite: bool = False, command: str = "powerlens",
-               settings: Optional[dict] = None) -> Iterator[str]:
+def folder_lock(target: str) -> Iterator[None]:
+    """Hold an exclusive lock for writing ``target``: the hidden file ``.NAME.lock`` beside it,
+    which exists only while it is held.
+
+    A second writer of the same folder is refused at once with a message naming the folder and
+    the process that holds it. Parent folders made for the lock are removed again where the run
+    leaves them empty, so a refused or failed run leaves nothing behind. A full disk while the
+    lock is held is one line naming the folder.
+    """
+    parent, name = os.path.split(target)
+    path = os.path.join(parent, f".{name}.lock")
+    try:
+        created = _make_folders(parent)
+    except OSError as exc:
+        raise write_error(target, exc) from None
+    try:
+        fd = _acquire(path, target)
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                raise write_error(target, exc) from None
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)                 # while still held: no other run holds this file
+            os.close(fd)
+    finally:
+        _remove_empty(created)
+
+
+STAGING = "partial"      # .NAME.partial-XXXX beside the folder: a run being written
+REPLACED = "old"         # .NAME.old-XXXX: the folder it replaces, while the new one moves in
+
+
+def remove_stale_staging(target: str) -> None:
+    """Delete the hidden staging folders that a killed run left beside ``target`` (call with the
+    folder lock held: no live run owns them then). One not yet marked holds only files that run
+    wrote; a marked one, or the folder it was replacing, loses only what its marker lists."""
+    parent, name = os.path.split(target)
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if entry.startswith(f".{name}.{STAGING}-"):
+            if read_marker(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _discard(path)
+        elif entry.startswith(f".{name}.{REPLACED}-"):
+            if os.path.isdir(os.path.join(path, name)):
+                _discard(os.path.join(path, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _files_below(folder: str) -> list:
+    return [os.path.relpath(os.path.join(root, f), folder).replace(os.sep, "/")
+            for root, _, files in os.walk(folder) for f in files]
+
+
+@contextlib.contextmanager
+def output_dir(path: str, *, command: str = "powerlens", settings: Optional[dict] = None) -> Iterator[str]:
     """Stage a run's files in a hidden sibling folder; on success it replaces ``path`` whole.
 
-    Rules (every command but ``reproduce``, which resumes into its folder):
+    Used by every command but ``sweep`` and ``reproduce``, which resume into their folders.
+    The folder rule is :func:`decide_folder`'s: an absent or empty folder, or one powerlens
+    wrote (by any command, with any settings), is replaced as a whole, so old files never sit
+    beside new ones; any other folder is refused, and the refusal creates nothing. The marker
+    lists the staged files.
 
-    * an absent or empty folder, or one that powerlens wrote (it has the marker file
-      ``.powerlens-output``), is replaced as a whole: old files never sit beside new ones;
-    * a non-empty folder that powerlens did not write is refused unless ``overwrite``;
-    * an empty ``path`` is an error; so is an existing file.
-
-    The folder is locked for the whole run (a concurrent writer is refused), staging
-    folders of killed runs are removed first, and on any exception ``path`` is left as it
-    was. Folders get the usual permissions (0777 less the umask, 0755 typically).
+    The folder is locked for the whole run (:func:`folder_lock`), staging folders of killed runs
+    are removed first, and on any exception ``path`` is left as it was. Folders get the usual
+    permissions (0777 less the umask, 0755 typically).
     """
-    target = check_out_path(path)
+    target = check_out_path(path, command=command)
     parent, name = os.path.split(target)
     with folder_lock(target):
+        decide_folder(path, command=command)
         remove_stale_staging(target)
-        refuse_foreign(path, folder_state(target), overwrite)
         try:
-            stage = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+            stage = tempfile.mkdtemp(prefix=f".{name}.{STAGING}-", dir=parent)
         except OSError as exc:
-            raise ValueError(f"--out {path}: cannot write there ({exc.strerror})") from None
+            raise write_error(path, exc) from None
         try:
             public_mode(stage)
             yield stage
-            write_marker(stage, command, settings)
+            write_marker(stage, command, settings, files=_files_below(stage))
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -230,19 +548,23 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def publish(stage: str, target: str) -> None:
-    """Put the folder ``stage`` in place of ``target``: one atomic swap where the kernel
-    offers it, else two renames (the old folder is kept aside until the new one is in)."""
-    if not os.path.exists(target):
+    """Put the folder ``stage`` in place of ``target`` (absent, empty, or one powerlens wrote: see
+    :func:`decide_folder`): one atomic swap where the kernel offers it, else two renames (the old
+    folder is kept aside until the new one is in). Of the old folder, only what its marker lists
+    is deleted."""
+    if not os.path.lexists(target):
         os.replace(stage, target)
         return
     if _exchange(stage, target):
-        shutil.rmtree(stage, ignore_errors=True)     # now holds the old folder
+        _discard(stage)                              # now holds the old folder
         return
     parent, name = os.path.split(target)
-    old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+    old = tempfile.mkdtemp(prefix=f".{name}.{REPLACED}-", dir=parent)
     os.replace(target, os.path.join(old, name))
     os.replace(stage, target)
-    shutil.rmtree(old, ignore_errors=True)
+    _discard(os.path.join(old, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(old)
 
 
 def versions() -> dict:

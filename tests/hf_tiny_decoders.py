@@ -267,10 +267,19 @@ def write_gguf(path, model, arch: str, *, permute: bool, names=None, norm_shift:
 # ----------------------------------------------------------------------------- shared by the decoder tests
 
 def states(model, ids, mask):
-    """powerlens's hidden states "float64[K+1 B n d]" of token ids (B, n) with mask (B, n)."""
+    """powerlens's hidden states "float64[K+1 B n d]" of token ids (B, n) with mask (B, n), in
+    transformers' convention (``HiddenStates.hf``: the last one normed where HF norms it)."""
     from powerlens.models import embed_ids, hidden_states
     x0, valid = embed_ids(model, ids, mask.astype(bool))
-    return np.asarray(hidden_states(model, x0, valid), np.float64)
+    return np.asarray(hidden_states(model, x0, valid).hf, np.float64)
+
+
+def model_logits(model, ids, mask):
+    """powerlens's logits "float64[B n V]" of token ids (B, n), by the obvious call
+    ``logits(model, hidden_states(model, x0, valid)[-1])``."""
+    from powerlens.models import embed_ids, hidden_states, logits
+    x0, valid = embed_ids(model, ids, mask.astype(bool))
+    return np.asarray(logits(model, hidden_states(model, x0, valid)[-1]), np.float64)
 
 
 def state_errors(model, hf, ids, mask):
@@ -315,12 +324,11 @@ def check_gguf_model(model, hf, tol: float):
     """A model read from a tiny GGUF file against the HF model it was written from: every hidden
     state and the logits on right- and left-padded batches, and F_t = W_o V against the torch weights."""
     from powerlens.dynamics.params import layer_matrices
-    from powerlens.models import logits
     for left in (False, True):
         ids, mask = batch(left=left)
         hs, errs = state_errors(model, hf, ids, mask)
         assert max(errs) <= tol, errs
         ref_lg = hf_logits(hf, ids, mask)
-        assert max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, mask.astype(bool)) <= \
+        assert max_err(model_logits(model, ids, mask), ref_lg, mask.astype(bool)) <= \
             tol * np.abs(ref_lg).max()
     np.testing.assert_allclose(np.asarray(layer_matrices(model.layers)), llama_F(hf), atol=1e-5)

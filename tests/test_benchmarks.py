@@ -1,5 +1,6 @@
 """The benchmark scripts run in their tiny configurations: in benchmarks/vs_torch.py powerlens and
-the torch code agree (the numbers it times are the same computation). No timing is asserted."""
+the torch code agree (the numbers it times are the same computation), and each script's results
+file (benchmarks/benchdoc.py) holds what the run printed. No timing is asserted."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 
 @pytest.mark.slow
-def test_tiny_configuration_agrees_with_torch(capsys):
+def test_tiny_configuration_agrees_with_torch(capsys, tmp_path):
+    import benchdoc
     import vs_torch
-    lines = vs_torch.main(["--tiny", "--repeat", "1"])
+    doc = tmp_path / "vs_torch.md"
+    lines = vs_torch.main(["--tiny", "--repeat", "1", "--doc", str(doc)])
+    # the results file: its command, workload A's table (MiniLM at 1 x 16 and 2 x 8), then B-E's
+    text = doc.read_text()
+    assert f"- command: `python benchmarks/vs_torch.py --tiny --repeat 1 --doc {benchdoc.scrub(str(doc))}`" in text
+    assert [row.split(" | ")[:2] for row in benchdoc.first_table(text)[2:]] == [["| MiniLM", "1 × 16"],
+                                                                             ["| MiniLM", "2 × 8"]]
+    assert "| B | minilm layer 3 1x32 T=20 |" in text and "| E | minilm last layer 8 dirs api 20 Adam steps |" in text
     assert {x["workload"] for x in lines} == {"A", "B", "C", "D", "E"}
     for x in lines:
         if "rel_err" in x:
@@ -114,112 +123,101 @@ def test_memory_script_quick(tmp_path, capsys):
     assert load["bound"] == 1.5 * load["param_bytes"]
 
 
-def _saved_run(path, commit, matmul, a, measures, rates, bcde):
-    """A file in vs_torch.py's output format with the given numbers (B-E only when ``a`` is empty)."""
-    lines = [f"# python benchmarks/vs_torch.py at {commit}, test"] if commit else []
-    lines.append(f"matmul 2048^3 float32: jax {matmul[0]} GFLOP/s, torch {matmul[1]} GFLOP/s (torch threads 2)")
-    for key, ratio in a.items():
-        model, size, rule = key.split()
-        lines.append(f"A {model} {size} {rule} states    powerlens_s=0.1 torch_s=0.1 ratio={ratio} rel_err=1e-07")
-        if key in measures:
-            lines.append(f"A {model} {size} {rule} measures    powerlens_s=0.1 torch_s=0.1 ratio=1.0 "
-                         f"measures_over_states={measures[key]}")
-    if a:
-        lines.append("matmul 2048^3 float32 after A: jax 180 GFLOP/s; the rates below are against 180")
-    for key, pct in rates.items():
-        lines.append(f"A {key} paper states: 120 GFLOP/s, {pct} % of the large matmul")
-    names = {"B": "B minilm layer 3 1x32 paper T=1000", "C": "C minilm 4x32 paper grad W_o",
-             "D": "D 256 synthetic systems 256x32 paper T=200",
-             "E_solve": "E minilm last layer 64 dirs paper solve 200 Adam steps",
-             "E_api": "E minilm last layer 64 dirs paper api 200 Adam steps"}
-    for key, ratio in bcde.items():
-        lines.append(f"{names[key]}    powerlens_s=0.1 torch_s=0.1 ratio={ratio} abs_err=1e-07")
-        if key == "C":      # the whole-scan gradient is not the C target's row
-            lines.append(f"C minilm 4x32 paper grad W_o whole scan    powerlens_s=0.3 torch_s=0.1 ratio=0.33")
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+def test_results_file_header_tables_and_output(tmp_path):
+    """benchmarks/benchdoc.py: a results file holds the command, the date, the CPU and the
+    versions, then the tables, then the printed output with this machine's folders written as
+    <repo>, <tmp> and ~; a second run replaces it whole."""
+    import tempfile
+    import time
+
+    import benchdoc
+    table = benchdoc.markdown_table(("case", "time"), [["one", "1.00 s"], ["two", None]])
+    assert table == ["| case | time |", "|---|---|", "| one | 1.00 s |", "| two | – |"]
+    printed = f"loaded {benchdoc.ROOT}/docs/x.png and {tempfile.gettempdir()}/scratch/y\nsecond line\n"
+    path = tmp_path / "demo.md"
+    assert benchdoc.write("demo", ["--fast", "2"], [table], printed, path=str(path), summary="What it does.") == str(path)
+    text = path.read_text()
+    lines = text.splitlines()
+    assert lines[:4] == ["# benchmarks/demo.py", "", "What it does.", ""]
+    assert "- command: `python benchmarks/demo.py --fast 2`" in lines
+    assert f"- date: {time.strftime('%Y-%m-%d')}" in lines
+    assert f"- CPU: {benchdoc.cpu_name()}, {os.cpu_count()} cores" in lines
+    (versions,) = [ln for ln in lines if ln.startswith("- versions: Python ")]
+    assert " jax " in versions and " numpy " in versions and " powerlens " in versions
+    assert benchdoc.first_table(text) == table
+    assert "loaded <repo>/docs/x.png and <tmp>/scratch/y" in text and "second line" in text
+    assert benchdoc.ROOT not in text and tempfile.gettempdir() + "/" not in text
+    benchdoc.write("demo", [], [["| a |", "|---|", "| 1 |"]], "other\n", path=str(path))
+    text = path.read_text()
+    assert benchdoc.first_table(text) == ["| a |", "|---|", "| 1 |"] and "second line" not in text
+    with pytest.raises(ValueError, match="2 cells for 1 columns"):
+        benchdoc.markdown_table(("a",), [[1, 2]])
 
 
-def test_vs_torch_runs_reads_every_run_against_the_targets(tmp_path, capsys):
-    """benchmarks/vs_torch_runs.py on three made-up runs: run 1 and run 2 (whose B-E come from an
-    ``--only B,C,D,E`` file) are counted, the throttled run 3 is shown but left out. Each number
-    is what the files say, and the medians and counts are worked out by hand below."""
-    import vs_torch_runs as VR
-    a1 = {"minilm 1x16 paper": 1.4, "minilm 8x128 paper": 0.9, "smollm2 8x128 paper": 1.1}
-    a2 = {"minilm 1x16 paper": 1.2, "minilm 8x128 paper": 1.0, "smollm2 8x128 paper": 1.3}
-    files = [
-        _saved_run(tmp_path / "vs_torch_2core_cpu.txt", "abc1234", (190, 170), a1,
-                   {"minilm 8x128 paper": 1.20}, {"minilm 8x128": 81, "smollm2 8x128": 60},
-                   {"B": 1.31, "C": 1.1, "D": 2.9, "E_solve": 30, "E_api": 14}),
-        _saved_run(tmp_path / "vs_torch_2core_cpu_run2.txt", "", (150, 160), a2,
-                   {"minilm 8x128 paper": 1.05}, {"minilm 8x128": 70, "smollm2 8x128": 62},
-                   {"B": 0.5, "C": 0.5, "D": 0.5, "E_solve": 1, "E_api": 1}),
-        _saved_run(tmp_path / "vs_torch_2core_cpu_run2_BCDE.txt", "def5678", (150, 160), {}, {}, {},
-                   {"B": 1.25, "C": 1.3, "D": 2.4, "E_solve": 40, "E_api": 16}),
-        _saved_run(tmp_path / "vs_torch_2core_cpu_run3_throttled.txt", "0123abc", (70, 70),
-                   {"minilm 1x16 paper": 0.1}, {}, {}, {"B": 9.0}),
-    ]
-    out = VR.main(files)
-    assert out == capsys.readouterr().out.splitlines()
-    runs = VR.collect(files)
-    assert [(r.number, r.note, r.counted) for r in runs] == [(1, "", True), (2, "", True), (3, "throttled", False)]
-    r1, r2, r3 = runs
-    assert r1.commit == "abc1234" and r2.commit == "" and r1.matmul_before == (190, 170)
-    # run 1: lowest 0.9, median of (1.4, 0.9, 1.1) = 1.1; run 2's B-E are the BCDE file's, C is
-    # never the whole-scan row
-    assert (r1.value("a_min"), r1.value("a_median"), r1.value("measures_worst")) == (0.9, 1.1, 1.2)
-    assert (r2.value("a_min"), r2.value("a_median")) == (1.0, 1.2)
-    assert r2.bcde == {"B": 1.25, "C": 1.3, "D": 2.4, "E_solve": 40, "E_api": 16}
-    assert r2.bcde_from == "vs_torch_2core_cpu_run2_BCDE.txt" and r1.bcde["C"] == 1.1
-    rows = {line.split(" | ")[0]: line for line in out if line.startswith("| ")}
-    assert rows["| 1"] == ("| 1 | abc1234 | 190 / 170 | 0.90× | 1.10× | 1.20 | 81 / 60 % | 1.31× | 1.10× | 2.90× "
-                           "| 30× / 14× |")
-    assert rows["| 2"] == "| 2 | – | 150 / 160 | 1.00× | 1.20× | 1.05 | 70 / 62 % | 1.25× | 1.30× | 2.40× | 40× / 16× |"
-    assert rows["| 3, throttled"].startswith("| 3, throttled | 0123abc | 70 / 70 | 0.10× |")
-    # over runs 1 and 2 only: medians of two are their means; A lowest met by run 2 (1.0 >= 1.0),
-    # A median by run 2 (1.2), measures by run 2 (1.05 <= 1.15), MiniLM's rate by run 1, SmolLM2's
-    # by none, B by run 1 (1.31), C by run 2 (1.3), D by run 1 (2.9), E by both
-    assert rows["| median over the runs"] == ("| median over the runs | | | 0.95× | 1.15× | 1.12 | 76 / 61 % | 1.28× "
-                                              "| 1.20× | 2.65× | 35× / 15× |")
-    assert rows["| runs meeting the target"] == ("| runs meeting the target | | | 1/2 | 1/2 | 1/2 | 1/2, 0/2 | 1/2 | 1/2 "
-                                                 "| 1/2 | 2/2, 2/2 |")
-    assert "Left out of the medians and counts: run 3, throttled." in out
-    # a B-E file whose run has no workload A anywhere is an error naming the file
-    orphan = _saved_run(tmp_path / "vs_torch_2core_cpu_run7_BCDE.txt", "", (1, 1), {}, {}, {}, {"B": 1.0})
-    with pytest.raises(SystemExit):
-        VR.main(files + [orphan])
-    assert "vs_torch_2core_cpu_run7_BCDE.txt: B-E of run 7" in capsys.readouterr().err
+def test_readme_tables_follow_their_results_files(tmp_path):
+    """The table after a ``<!-- table from docs/benchmarks/NAME.md -->`` marker is replaced by
+    NAME.md's table, and only that one; a file written elsewhere (``--doc``) leaves the README alone."""
+    import benchdoc
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- table from docs/benchmarks/demo.md -->\n| old |\n|---|\n| 0 |\n\ntext\n"
+                      "<!-- table from docs/benchmarks/other.md -->\n| keep |\n|---|\n")
+    new = ["| new | col |", "|---|---|", "| 1 | 2 |"]
+    assert benchdoc.sync_readme("docs/benchmarks/demo.md", new, str(readme))
+    assert readme.read_text() == ("intro\n<!-- table from docs/benchmarks/demo.md -->\n| new | col |\n|---|---|\n"
+                                  "| 1 | 2 |\n\ntext\n<!-- table from docs/benchmarks/other.md -->\n| keep |\n|---|\n")
+    assert not benchdoc.sync_readme("docs/benchmarks/demo.md", new, str(readme))     # nothing to change
+    before = readme.read_text()
+    benchdoc.write("demo", [], [["| x |", "|---|"]], "", path=str(tmp_path / "demo.md"), readme=str(readme))
+    assert readme.read_text() == before
 
 
-def test_vs_torch_runs_prints_one_runs_table(tmp_path, capsys):
-    """``vs_torch_runs.py --run K``: run K's workload A as the README's table (times to 3
-    significant digits, ms below a second), then its B-E lines as printed (those of its
-    ``--only B,C,D,E`` file in place of its own) and A's summary; an unknown run is a one-line
-    error."""
-    import vs_torch_runs as VR
-    lines = ["# python benchmarks/vs_torch.py at abc1234, test",
-             "A minilm 8x128 paper states       powerlens_s=0.0593 torch_s=0.06126 ratio=1.033 rel_err=6.6e-07",
-             "A minilm 8x128 paper measures     powerlens_s=0.06292 torch_s=0.07211 ratio=1.146 measures_over_states=1.061",
-             "A minilm 8x128 full states        powerlens_s=0.1486 torch_s=0.1498 ratio=1.008 rel_err=8.3e-07",
-             "A smollm2 32x128 paper states     powerlens_s=1.869 torch_s=2.033 ratio=1.088 rel_err=6.3e-06",
-             "A minilm 8x128 paper torch.compile            torch_s=0.0616",
-             "B minilm layer 3 1x32 paper T=1000    powerlens_s=0.4 torch_s=0.48 ratio=1.2 abs_err=2e-07",
-             "A states only: min 1.01x, median 1.03x over 3 (model, size, rule)"]
-    (tmp_path / "vs_torch_2core_cpu_run5.txt").write_text("\n".join(lines) + "\n")
-    bcde = "B minilm layer 3 1x32 paper T=1000    powerlens_s=0.4 torch_s=0.52 ratio=1.3 abs_err=2e-07"
-    (tmp_path / "vs_torch_2core_cpu_run5_BCDE.txt").write_text(bcde + "\n")
-    files = [str(tmp_path / "vs_torch_2core_cpu_run5.txt")]
-    out = VR.main(files + ["--run", "5"])
-    assert out[:2] == [VR.RUN_HEADER, "|---|---|---|---|---|---|---|"]
-    assert out[2] == "| MiniLM | 8 × 128 | 59.3 ms / 61.3 ms | 1.03× | 1.15× (1.06) | 149 ms / 150 ms | 1.01× |"
-    assert out[3] == "| SmolLM2 | 32 × 128 | 1.87 s / 2.03 s | 1.09× | – | – | – |"
-    assert out[4:] == ["", lines[6], lines[7]]
-    out = VR.main(files + [str(tmp_path / "vs_torch_2core_cpu_run5_BCDE.txt"), "--run", "5"])
-    assert out[4:] == ["", bcde, lines[7]]
-    capsys.readouterr()
-    with pytest.raises(SystemExit):
-        VR.main(files + ["--run", "6"])
-    assert capsys.readouterr().err.strip() == "vs_torch_runs: no saved output of run 6"
+def test_results_file_only_from_a_real_configuration():
+    """A tiny/quick run writes no results file unless given --doc; --no-doc writes none; a full run
+    writes docs/benchmarks/NAME.md. Stdout is still printed while it is kept."""
+    import argparse
+
+    import benchdoc
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    benchdoc.add_doc_option(ap, "demo")
+    target = lambda *a: benchdoc.doc_target(ap.parse_args(list(a)), "demo")
+    assert target() == os.path.join(benchdoc.ROOT, "docs", "benchmarks", "demo.md")
+    assert target("--tiny") is None and target("--no-doc") is None
+    assert target("--tiny", "--doc", "x.md") == "x.md"
+    import io
+    import contextlib
+    outer = io.StringIO()
+    with contextlib.redirect_stdout(outer):
+        with benchdoc.Capture() as printed:
+            print("a line")
+    assert printed.text == "a line\n" == outer.getvalue()
+
+
+def test_vs_torch_tables():
+    """vs_torch.py's results tables from reported lines: workload A one row per model and size
+    (times to 3 significant digits, ms below a second; a missing cell is "–"), B-E one row each
+    with its agreement fields."""
+    import vs_torch
+    A = dict(workload="A", model="minilm", size="8x128")
+    lines = [dict(A, rule="paper", what="states", powerlens_s=0.0593, torch_s=0.06126, ratio=1.033, rel_err=6.6e-7),
+             dict(A, rule="paper", what="measures", powerlens_s=0.06292, torch_s=0.07211, ratio=1.146,
+                  measures_over_states=1.061),
+             dict(A, rule="full", what="states", powerlens_s=0.1486, torch_s=0.1498, ratio=1.008, rel_err=8.3e-7),
+             dict(workload="A", model="smollm2", size="32x128", rule="paper", what="states", powerlens_s=1.869,
+                  torch_s=2.033, ratio=1.088, rel_err=6.3e-6),
+             dict(workload="A", model="minilm", size="8x128", rule="paper", what="torch.compile", torch_s=0.0616),
+             dict(workload="B", model="minilm layer 3", size="1x32", rule="paper", what="T=1000", powerlens_s=0.4179,
+                  torch_s=0.4804, ratio=1.149, abs_err=2.31e-7),
+             dict(workload="D", model="256 synthetic systems", size="256x32", rule="paper", what="T=200",
+                  powerlens_s=0.7866, torch_s=1.852, ratio=2.354, abs_err=0.7462, abs_err_median=2.636e-7,
+                  f64_abs_err=4.992e-12)]
+    assert vs_torch.workload_a_table(lines) == [
+        "| " + " | ".join(vs_torch.A_COLUMNS) + " |", "|---|---|---|---|---|---|---|",
+        "| MiniLM | 8 × 128 | 59.3 ms / 61.3 ms | 1.03× | 1.15× (1.06) | 149 ms / 150 ms | 1.01× |",
+        "| SmolLM2 | 32 × 128 | 1.87 s / 2.03 s | 1.09× | – | – | – |"]
+    assert vs_torch.bcde_table(lines)[2:] == [
+        "| B | minilm layer 3 1x32 T=1000 | 418 ms | 480 ms | 1.15× | abs_err 2.3e-07 |",
+        "| D | 256 synthetic systems 256x32 T=200 | 787 ms | 1.85 s | 2.35× | abs_err_median 2.6e-07, f64_abs_err 5e-12 |"]
 
 
 def test_gpu_script_fused_attention_entries(monkeypatch):

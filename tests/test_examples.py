@@ -95,6 +95,27 @@ def _floats(line):
     return [float(t) for t in re.findall(r"[-+]?\d+\.\d+(?:e[-+]?\d+)?", line)]
 
 
+# ------------------------------------------------------------------ the public API only
+
+def _powerlens_imports(path):
+    """Every import of powerlens in a file: ("import", name, alias) or ("from", module, names)."""
+    import ast
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [("import", a.name, a.asname) for a in node.names if a.name.split(".")[0] == "powerlens"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "powerlens":
+            out.append(("from", node.module, [a.name for a in node.names]))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(f[:-3] for f in os.listdir(EXAMPLES) if f.endswith(".py")))
+def test_examples_import_powerlens_as_pl_only(name):
+    """An example shows the public namespace: ``import powerlens as pl`` and nothing deeper."""
+    assert _powerlens_imports(os.path.join(EXAMPLES, f"{name}.py")) == [("import", "powerlens", "pl")]
+
+
 # ------------------------------------------------------------------ spectrum_of_a_model
 
 def test_spectrum_example(minilm, tmp_path, capsys):

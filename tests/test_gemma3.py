@@ -117,7 +117,8 @@ def test_hidden_states_and_logits_match_transformers(gemma, p):
         assert len(ids) > 600         # longer than the 512-token window
     model, ref = gemma["ours"], gemma["ref"]
     x0, valid = embed_ids(model, np.asarray([ids]))
-    hs = np.asarray(hidden_states(model, x0, valid), np.float64)
+    out_hs = hidden_states(model, x0, valid)
+    hs = np.asarray(out_hs.hf, np.float64)                  # transformers' tuple, last state normed
     with torch.no_grad():
         out = ref.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
         ref_lg = ref(input_ids=torch.tensor([ids]), logits_to_keep=LAST).logits.double().numpy()
@@ -125,7 +126,7 @@ def test_hidden_states_and_logits_match_transformers(gemma, p):
     assert hs.shape == ref_hs.shape == (19, 1, len(ids), 640)
     rel = [float(np.abs(hs[k] - ref_hs[k]).max() / np.abs(ref_hs[k]).max()) for k in range(len(ref_hs))]
     assert max(rel) <= TOL, rel
-    lg = np.asarray(logits(model, hs[-1][:, -LAST:], normed=True), np.float64)
+    lg = np.asarray(logits(model, out_hs[-1][:, -LAST:]), np.float64)
     assert lg.shape == ref_lg.shape
     assert np.abs(lg - ref_lg).max() <= TOL * np.abs(ref_lg).max()
     if p == 0:

@@ -56,16 +56,16 @@ def test_empty_out_is_an_error(tmp_path, capsys, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_a_foreign_folder_is_refused_unless_overwrite(tmp_path, capsys):
+def test_a_foreign_folder_is_refused_even_with_overwrite(tmp_path, capsys):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "thesis.tex").write_text("precious")
-    code, err = run(capsys, *FAST, "--out", str(out))
-    assert code == 2
-    assert "not written by powerlens" in one_line(err) and "--overwrite" in err
-    assert snapshot(out) == {"thesis.tex": b"precious"}
-    assert run(capsys, *FAST, "--out", str(out), "--overwrite")[0] == 0
-    assert not (out / "thesis.tex").exists() and (out / "metrics.json").exists()
+    for extra in ([], ["--overwrite"]):
+        code, err = run(capsys, *FAST, "--out", str(out), *extra)
+        assert code == 2
+        line = one_line(err)
+        assert "'thesis.tex' was not written by powerlens" in line and "--overwrite" not in line
+        assert snapshot(out) == {"thesis.tex": b"precious"}
 
 
 def test_an_empty_existing_folder_is_used(tmp_path, capsys):
@@ -139,9 +139,9 @@ def test_concurrent_figure_saves_do_not_collide(tmp_path):
 
 
 def _marked_reproduce_folder(out, **settings):
+    from powerlens import reproduce
     base = {"quick": True, "seed": 0, "models": [], "sections": ["bipartite"]}
-    out.mkdir()
-    io.write_marker(str(out), "reproduce", dict(base, **settings))
+    reproduce.prepare_folder(str(out), dict(base, **settings), overwrite=False)
     (out / "results.json").write_text("{}")
 
 
@@ -166,9 +166,11 @@ def test_reproduce_refuses_another_commands_folder_and_foreign_ones(tmp_path, ca
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    code, err = run(capsys, "reproduce", "--quick", "--out", str(foreign))
-    assert code == 2 and "not written by powerlens" in one_line(err)
-    assert snapshot(foreign) == {"notes.txt": b"mine"}
+    for extra in ([], ["--overwrite"]):
+        code, err = run(capsys, "reproduce", "--quick", "--out", str(foreign), *extra)
+        line = one_line(err)
+        assert code == 2 and "'notes.txt' was not written by powerlens" in line and "--overwrite" not in line
+        assert snapshot(foreign) == {"notes.txt": b"mine"}
 
 
 def test_reproduce_overwrite_starts_afresh(tmp_path, capsys, monkeypatch):

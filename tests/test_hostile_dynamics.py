@@ -238,13 +238,14 @@ def _scaled_weights(path, factor, *, dtype=np.float32):
 
 
 def test_scaled_weights_pre_ln_reports_true_numbers(tmp_path, capsys):
-    """Weights x 1e18, rule pre_ln: states are finite (~1e36 in float32); every measure is
+    """Weights x 1e18, rule pre_ln, --x64: states are finite (~1e36); every measure is
     computed scale-free, so gamma and consensus are numbers and the pairwise cosine is that
-    of the saved states (it was -1/(n-1) from an overflow)."""
+    of the saved states (it was -1/(n-1) from an overflow). In float32 the LayerNorm of such
+    states overflows, and the run is refused (tests/test_hostile_inputs2.py)."""
     path = _scaled_weights(tmp_path / "big.npz", 1e18)
     out = tmp_path / "out"
     code, _, err = cli(["simulate", "--weights", path, "--rule", "pre_ln", "--steps", "6", "--tokens", "8",
-                        "--save-states", "--quiet", "--out", str(out)], capsys)
+                        "--save-states", "--quiet", "--x64", "--out", str(out)], capsys)
     assert code == 0, err
     steps = json.loads((out / "metrics.json").read_text())["steps"]
     S = np.load(out / "states.npy").astype(np.float64)

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
+import zero_pad as Z  # noqa: E402
 from powerlens.dynamics.layer import layer_step  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
 from powerlens.models import CheckpointError, embed_ids, hidden_states, load, logits, run_states  # noqa: E402
@@ -70,7 +71,7 @@ def _max_err(a, b, valid):
 
 
 def test_hidden_states_match_hf(case):
-    hs = np.asarray(hidden_states(case["model"], case["x0"], case["jvalid"]))
+    hs = np.asarray(hidden_states(case["model"], case["x0"], case["jvalid"]).hf)
     ref = case["ref_hs"]
     assert hs.shape == ref.shape, (hs.shape, ref.shape)
     errs = [_max_err(hs[k], ref[k], case["valid"]) for k in range(len(ref))]
@@ -79,6 +80,17 @@ def test_hidden_states_match_hf(case):
     # without it the error is O(1), so the check above is sensitive to it
     raw = np.asarray(run_states(case["model"], case["x0"], case["jvalid"]))[-1]
     assert _max_err(raw, ref[-1], case["valid"]) > 1e-2
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
+def test_a_zero_pad_row_is_validated_out_and_inert(case, left):
+    """The pad token's embedding row zero in both models (as transformers' ``padding_idx``
+    leaves it): the padded rows of x0 are zero (GPT-2 and GPT-Neo add learned positions), yet
+    the valid tokens' hidden states are transformers' own, and under the paper rule with
+    uniform attention (where a padded query with no key is N2(0) = NaN unless padding is
+    inert) every valid state is finite."""
+    Z.check_zero_pad_row(case["model"], case["hf"], *T.batch(left=left), lambda *a: T.state_errors(*a)[1], TOL,
+                         zero_x0=case["kind"] == "llama")
 
 
 _step = jax.jit(jax.vmap(lambda lp, X, v: layer_step(lp, X, v, rule="pre_ln", attention="softmax"),
@@ -132,9 +144,10 @@ def test_logits_match_hf_lm_head(case):
     ref = T.hf_logits(case["hf"], case["ids"], case["mask"])
     assert lg.shape == ref.shape
     assert _max_err(lg, ref, case["valid"]) <= TOL * max(1.0, np.abs(ref).max())
-    # the normed last hidden state gives the same logits
-    hs_last = hidden_states(model, case["x0"], case["jvalid"])[-1]
-    assert _max_err(np.asarray(logits(model, hs_last, normed=True)), ref, case["valid"]) <= TOL * max(1.0, np.abs(ref).max())
+    # the obvious call on the hidden states, and the HiddenStates itself, give the same logits
+    hs = hidden_states(model, case["x0"], case["jvalid"])
+    for lg in (logits(model, hs[-1]), logits(model, hs)):
+        assert _max_err(np.asarray(lg), ref, case["valid"]) <= TOL * max(1.0, np.abs(ref).max())
 
 
 def _torch_F(case):

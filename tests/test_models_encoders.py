@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
+import zero_pad as Z  # noqa: E402
 from powerlens.dynamics.layer import layer_step  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
 from powerlens.models import CheckpointError, embed, embed_ids, hidden_states, load  # noqa: E402
@@ -75,6 +76,25 @@ def test_hidden_states_match_transformers(built, case):
     assert max(errs) <= TOL, errs
     # the comparison is not vacuous: layers change the states by O(1)
     assert np.abs(ref[-1] - ref[0])[mask.astype(bool)].max() > 0.5
+
+
+def _state_errors(model, tm, ids, mask):
+    hs = np.asarray(hidden_states(model, *embed_ids(model, ids, mask.astype(bool))))
+    ref = hf_tiny.torch_hidden_states(tm, ids, mask)
+    return [_max_err(hs[k], ref[k], mask) for k in range(len(ref))]
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_zero_pad_row_is_validated_out_and_inert(built, case, left):
+    """The pad token's embedding row zero in both models (as transformers' ``padding_idx``
+    leaves it; the positions and the embedding LayerNorm keep x0's padded rows non-zero here):
+    the valid tokens' hidden states are transformers' own, right- and left-padded, and every
+    valid state of the paper rule with uniform attention is finite."""
+    tm, _, model, ids, mask, _ = built[case]
+    if left:
+        ids, mask = ids[:, ::-1].copy(), mask[:, ::-1].copy()
+    Z.check_zero_pad_row(model, tm, ids, mask, _state_errors, TOL, zero_x0=False, pad=tm.config.pad_token_id)
 
 
 # one prompt -> vmapped over the batch, compiled once per layer config

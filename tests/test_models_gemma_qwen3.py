@@ -21,8 +21,9 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
+import zero_pad as Z  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, load, logits, run_states  # noqa: E402
+from powerlens.models import CheckpointError, embed_ids, load, run_states  # noqa: E402
 from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
@@ -61,9 +62,18 @@ def test_hidden_states_and_logits_match_hf(case, left):
     valid = mask.astype(bool)
     hs, errs = _errors(model, hf, ids, mask)
     assert max(errs) <= TOL, f"{case['name']}: per-layer max abs errors {errs}"
-    lg, ref_lg = np.asarray(logits(model, hs[-1], normed=True)), T.hf_logits(hf, ids, mask)
+    lg, ref_lg = T.model_logits(model, ids, mask), T.hf_logits(hf, ids, mask)
     assert T.max_err(lg, ref_lg, valid) <= TOL * max(1.0, np.abs(ref_lg).max())
     assert (model.lm_head is None) == (hf.config.tie_word_embeddings is True)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
+def test_a_zero_pad_row_is_validated_out_and_inert(case, left):
+    """The pad token's embedding row zero in both models (Gemma's ``padding_idx``): the padded
+    rows of x0 are zero, yet the valid tokens' hidden states are transformers' own, and under
+    the paper rule with uniform attention (where a padded query with no key is N2(0) = NaN
+    unless padding is inert) every valid state is finite."""
+    Z.check_zero_pad_row(case["model"], case["hf"], *T.batch(left=left), lambda *a: _errors(*a)[1], TOL)
 
 
 def test_structure_is_what_transformers_derives(case):
@@ -151,13 +161,11 @@ def test_each_feature_matters(case, remove):
 def test_final_logit_softcap_bites(case):
     model, hf = case["model"], case["hf"]
     ids, mask = T.batch()
-    hs = _states(model, ids, mask)
     ref = T.hf_logits(hf, ids, mask)
     cap = model.info.final_logit_softcap
     assert np.abs(ref).max() <= cap
     import dataclasses
-    raw = np.asarray(logits(model.replace(info=dataclasses.replace(model.info, final_logit_softcap=None)), hs[-1],
-                            normed=True))
+    raw = T.model_logits(model.replace(info=dataclasses.replace(model.info, final_logit_softcap=None)), ids, mask)
     assert T.max_err(raw, ref, mask.astype(bool)) > 0.1
 
 

@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
+import zero_pad as Z  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, load, logits  # noqa: E402
+from powerlens.models import CheckpointError, load  # noqa: E402
 from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
@@ -55,9 +56,18 @@ def test_hidden_states_and_logits_match_hf(case, left):
     assert hs.shape == ref.shape
     errs = [T.max_err(hs[k], ref[k], valid) for k in range(len(ref))]
     assert max(errs) <= TOL, f"{case['name']}: per-layer max abs errors {errs}"
-    lg, ref_lg = np.asarray(logits(model, hs[-1], normed=True)), T.hf_logits(hf, ids, mask)
+    lg, ref_lg = T.model_logits(model, ids, mask), T.hf_logits(hf, ids, mask)
     assert T.max_err(lg, ref_lg, valid) <= TOL * max(1.0, np.abs(ref_lg).max())
     assert (model.lm_head is None) == bool(case["cfg"].get("tie_word_embeddings", False))
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
+def test_a_zero_pad_row_is_validated_out_and_inert(case, left):
+    """The pad token's embedding row zero in both models (as transformers' ``padding_idx``
+    leaves it): the padded rows of x0 are zero, yet the valid tokens' hidden states are
+    transformers' own, and under the paper rule with uniform attention (where a padded query
+    with no key is N2(0) = NaN unless padding is inert) every valid state is finite."""
+    Z.check_zero_pad_row(case["model"], case["hf"], *T.batch(left=left), lambda *a: T.state_errors(*a)[1], TOL)
 
 
 def test_windows_rope_and_biases_are_where_transformers_puts_them(case):

@@ -26,9 +26,10 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
+import zero_pad as Z  # noqa: E402
 from powerlens.dynamics.layer import faithful_rule  # noqa: E402
 from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, load, logits  # noqa: E402
+from powerlens.models import CheckpointError, load  # noqa: E402
 
 TOL = 1e-4
 
@@ -81,8 +82,29 @@ def test_hidden_states_and_logits_match_hf(case, left):
     last = hs[-1] if P_out is None else hs[-1] @ P_out.T       # OPT: HF's last state is project_out of ours
     errs = [T.max_err(hs[k], ref[k], valid) for k in range(len(ref) - 1)] + [T.max_err(last, ref[-1], valid)]
     assert max(errs) <= TOL, f"{case['name']}: per-state max abs errors {errs}"
-    lg, ref_lg = np.asarray(logits(model, hs[-1], normed=True)), T.hf_logits(hf, ids, mask)
+    lg, ref_lg = T.model_logits(model, ids, mask), T.hf_logits(hf, ids, mask)
     assert T.max_err(lg, ref_lg, valid) <= TOL * max(1.0, np.abs(ref_lg).max())
+
+
+def _state_errors(model, hf, ids, mask):
+    """Every state's max abs error at the valid tokens (OPT with a projection: HF's last state
+    is project_out of ours)."""
+    valid = mask.astype(bool)
+    hs, ref = _states(model, ids, mask), _hf_states(hf, ids, mask)
+    P_out = _sd(hf).get("model.decoder.project_out.weight")
+    last = hs[-1] if P_out is None else hs[-1] @ P_out.T
+    return [T.max_err(hs[k], ref[k], valid) for k in range(len(ref) - 1)] + [T.max_err(last, ref[-1], valid)]
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_padded", "left_padded"])
+def test_a_zero_pad_row_is_validated_out_and_inert(case, left):
+    """The pad token's embedding row zero in both models (as transformers' ``padding_idx``
+    leaves it): the padded rows of x0 are zero (OPT adds learned positions), yet the valid
+    tokens' hidden states are transformers' own, and under the paper rule with uniform
+    attention (where a padded query with no key is N2(0) = NaN unless padding is inert) every
+    valid state is finite."""
+    Z.check_zero_pad_row(case["model"], case["hf"], *T.batch(left=left), _state_errors, TOL,
+                         zero_x0=case["kind"] != "opt")
 
 
 @pytest.mark.parametrize("case", ["opt_pre_proj", "opt_post_proj"], indirect=True)
@@ -241,7 +263,7 @@ def test_opt_remove_final_layer_norm(case, tmp_path):
     valid = mask.astype(bool)
     hs, ref = _states(model, ids, mask), _hf_states(hf, ids, mask)
     assert max(T.max_err(hs[k], ref[k], valid) for k in range(len(ref))) <= TOL
-    assert T.max_err(np.asarray(logits(model, hs[-1], normed=True)), T.hf_logits(hf, ids, mask), valid) <= 1e-3
+    assert T.max_err(T.model_logits(model, ids, mask), T.hf_logits(hf, ids, mask), valid) <= 1e-3
 
 
 @pytest.mark.parametrize("case,edit,needles", [
@@ -317,7 +339,7 @@ def test_phi3_gguf_matches_transformers(phi3_gguf, left):
     errs = [T.max_err(hs[k], ref[k], valid) for k in range(len(ref))]
     assert max(errs) <= TOL, errs
     ref_lg = T.hf_logits(hf, ids, mask)
-    assert T.max_err(np.asarray(logits(model, hs[-1], normed=True)), ref_lg, valid) <= TOL * np.abs(ref_lg).max()
+    assert T.max_err(T.model_logits(model, ids, mask), ref_lg, valid) <= TOL * np.abs(ref_lg).max()
     per_layer, H, G, e = _value_output(dict(kind="phi3", hf=hf))
     g = lambda h: h // (H // G)
     Ft = np.stack([sum(Wo[:, h * e:(h + 1) * e] @ Wv[g(h) * e:(g(h) + 1) * e] for h in range(H)) for Wo, Wv in per_layer])

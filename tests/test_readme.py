@@ -1,12 +1,10 @@
 """The README stays true: its Python tour runs, and its commands exist."""
 from __future__ import annotations
 
-import math
 import os
 import re
 
 import numpy as np
-from scipy.special import betaln
 
 import reference_numpy as R
 
@@ -87,31 +85,32 @@ def test_python_tour_runs():
     # has no other layer, so that control is undefined
     ref = R.simulate_layers(layers, x0_synthetic, subs, rule="paper", attention="softmax", fast=True)
     gamma_last = np.asarray(scope["pl"].pooled(traj)["gamma"][-1], np.float64)
+    assert scope["out"]["align"].names == traj.references == ("principal", "random", "other_layer")
     assert np.isnan(gamma_last[2]) and np.isnan(ref["gamma"][-1, 2])
     np.testing.assert_allclose(gamma_last[:2], ref["gamma"][-1, :2], atol=1e-4)
     np.testing.assert_allclose(float(traj.consensus[0, -1]), ref["consensus"][-1], atol=1e-4)
 
     exec(compile(pretrained, "README.md", "exec"), scope)
-    model, res, u, a, steered = scope["model"], scope["res"], scope["u"], scope["a"], scope["steered"]
+    model, tr, u, a, steered = scope["model"], scope["tr"], scope["u"], scope["a"], scope["steered"]
     L = model.layers
     x0, valid = np.asarray(scope["x0"], np.float64)[0], np.asarray(scope["valid"], bool)[0]
     params, static = R.layer_dicts(L), R.static_kwargs(L.config)
     sched = list(L.schedule)
     assert sched == list(range(6))                                   # all-MiniLM-L6-v2: six layers
-    d = x0.shape[1]
 
-    # --- printed: the alignment summary, from the oracle's states and NumPy eigenvectors
+    # --- printed: the trace's gamma_t per layer (from 0) against each layer's principal
+    # subspace, from the oracle's states and NumPy eigenvectors
     states = _paper_run(params, sched, x0, valid, static)
+    np.testing.assert_allclose(np.asarray(tr.states[:, 0], np.float64)[:, valid], states[:, valid], atol=2e-4)
     proj = [_principal_projector(_F(L, t)) for t in sched]
     gam = np.array([np.mean(np.linalg.norm(states[t + 1][valid] @ P, axis=1)
                             / np.linalg.norm(states[t + 1][valid], axis=1)) for t, (P, _) in enumerate(proj)])
-    # E ||P x|| for x uniform on the sphere of R^d, P of rank k: ||P x||^2 ~ Beta(k/2, (d-k)/2)
-    chance = np.array([math.exp(betaln((k + 1) / 2, (d - k) / 2) - betaln(k / 2, (d - k) / 2)) for _, k in proj])
-    summary = res.summary("shifted")
-    assert summary["steps"] == 6
-    np.testing.assert_allclose(summary["mean_gamma"], gam.mean(), atol=1e-4)
-    np.testing.assert_allclose(summary["max_gamma"], gam.max(), atol=1e-4)
-    np.testing.assert_allclose(summary["mean_chance"], chance.mean(), rtol=1e-6)
+    assert set(tr.gamma) == {"principal", "random", "other_layer"}
+    np.testing.assert_allclose(np.asarray(tr.gamma["principal"], np.float64), gam, atol=1e-4)
+    # rho_t: the share of valid tokens whose principal alignment grows across layer t
+    cos = lambda X, P: np.linalg.norm(X @ P, axis=1) / np.linalg.norm(X, axis=1)
+    rho = np.array([np.mean(cos(states[t + 1][valid], P) > cos(states[t][valid], P)) for t, (P, _) in enumerate(proj)])
+    np.testing.assert_allclose(np.asarray(tr.rho["principal"], np.float64), rho, atol=1e-6)
 
     # --- a: the smallest alpha from which every token has |cos(x, u)| >= 0.9 after the last
     # layer (paper rule), checked by running the oracle with O' = O + alpha u w^T built here,
@@ -155,36 +154,51 @@ def test_documented_commands_exist():
     assert "make test" in ci and "make test" in _readme()
 
 
-def test_vs_torch_runs_table_is_the_scripts():
-    """The README's table of every vs_torch run is what ``python benchmarks/vs_torch_runs.py``
-    prints from the saved outputs in docs/benchmarks/ (footnote marks aside), so no run's
-    number is copied by hand, and every saved run is in it."""
-    import subprocess
+def test_benchmark_tables_are_their_results_files():
+    """Every README table marked ``<!-- table from docs/benchmarks/NAME.md -->`` is that file's
+    first table, as ``benchmarks/NAME.py`` wrote it on its last run (the script replaces both)."""
     import sys
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vs_torch_runs.py")],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
-    printed = [line for line in out if line.startswith("|")]
-    text = re.sub(r" [¹²³⁴⁵⁶⁷⁸⁹]", "", _readme())
-    start = text.index(printed[0])
-    assert text[start:start + len("\n".join(printed))].splitlines() == printed
-    assert "python benchmarks/vs_torch_runs.py" in text
-    for line in out:
-        if line.startswith("Left out"):
-            assert line in text
-
-
-def test_vs_torch_run_table_is_the_scripts():
-    """The README's "powerlens vs torch" table and B-E lines are what
-    ``python benchmarks/vs_torch_runs.py --run K`` prints for the run K the README names."""
-    import subprocess
-    import sys
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import benchdoc
     text = _readme()
-    k = re.search(r"vs_torch_runs\.py\s+--run (\d+)` prints them", text).group(1)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vs_torch_runs.py"), "--run", k],
-                         capture_output=True, text=True, check=True).stdout.splitlines()
-    blank = out.index("")
-    table, tail = out[:blank], out[blank + 1:]
-    start = text.index(table[0])
-    assert text[start:start + len("\n".join(table))].splitlines() == table
-    block = text.index("```\n" + "\n".join(tail) + "\n```", start)
-    assert block > start and tail
+    quoted = benchdoc.quoted_tables(text)
+    assert quoted, "the README quotes no benchmark table"
+    lines = text.splitlines()
+    for name, (a, b) in quoted:
+        path = os.path.join(ROOT, name)
+        script = os.path.basename(name)[:-3]
+        assert os.path.exists(path), f"{name} is missing: run python benchmarks/{script}.py"
+        with open(path, encoding="utf-8") as fh:
+            doc = fh.read()
+        assert lines[a:b] == benchdoc.first_table(doc), f"the README's table differs from {name}'s"
+        assert len(lines[a:b]) > 2, f"{name}'s table has no rows"
+        assert f"- command: `python benchmarks/{script}.py" in doc
+
+
+MACHINE_PATH = re.compile(r"/work/|/root/|/tmp/[a-z]")
+HISTORY = re.compile(r"\bsessions?\b|\bruns? \d+\b|\bthis run\b|\bminutes earlier\b", re.I)
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+def _user_docs():
+    """README.md and every Markdown file under docs/ (the benchmark results included)."""
+    paths = [os.path.join(ROOT, "README.md")]
+    for folder, _, files in os.walk(os.path.join(ROOT, "docs")):
+        paths += [os.path.join(folder, f) for f in sorted(files) if f.endswith(".md")]
+    return paths
+
+
+def test_user_docs_hold_no_machine_path_and_no_history():
+    """What a user reads states the current state: no path of the machine it was written on, no
+    numbered runs, no working periods, no commit hashes; the README stays under 300 lines."""
+    bad = []
+    for path in _user_docs():
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                for what, pattern in (("machine path", MACHINE_PATH), ("history", HISTORY), ("commit", COMMIT)):
+                    m = pattern.search(line)
+                    if m:
+                        bad.append(f"{os.path.relpath(path, ROOT)}:{i}: {what} {m.group(0)!r}")
+    assert not bad, "\n".join(bad)
+    assert len(_readme().splitlines()) < 300
+    assert COMMIT.search("timed at f58e29a") and HISTORY.search("in run 13") and not COMMIT.search("deadbeefs")

@@ -7,8 +7,9 @@ reads from the PNG file (an independent decoder).  A deliberately corrupt PNG an
 whose file does not exist must be reported as not loaded / missing, so the check is not
 vacuous.
 
-Skipped when no Chromium is installed (``apt-get install -y chromium``; the Makefile's
-test set-up installs it).
+Skipped, with the reason, when no Chromium is found (``make test`` installs the system package
+``chromium`` with apt-get when it runs as root; ``make test HTML_TEST=no`` skips this instead,
+which sets ``POWERLENS_HTML_TEST=no``).
 """
 import importlib.util
 import os
@@ -22,11 +23,31 @@ _spec = importlib.util.spec_from_file_location("render_report", os.path.join(ROO
 render_report = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render_report)
 
-CHROMIUM = render_report.find_chromium()
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="chromium is not on PATH (install it with `apt-get install -y chromium`); "
-           "the headless-browser check of report.html is skipped")
+
+def skip_reason():
+    """Why the headless-browser check cannot run here, or None when it can."""
+    if os.environ.get("POWERLENS_HTML_TEST", "").lower() == "no":
+        return ("skipped on request (make test HTML_TEST=no, i.e. POWERLENS_HTML_TEST=no): "
+                "the headless-browser check of report.html needs chromium")
+    if render_report.find_chromium() is None:
+        return ("no chromium on PATH (nor named by $CHROMIUM): the headless-browser check of report.html "
+                "needs one; install it (apt-get install chromium) or set CHROMIUM to a Chrome/Chromium binary")
+    return None
+
+
+needs_browser = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+def test_skip_reason_says_why_and_how(monkeypatch):
+    """The browser tests are skipped on request or without a browser, each time saying why and
+    what to do; with a browser found they run."""
+    monkeypatch.setenv("POWERLENS_HTML_TEST", "no")
+    assert "HTML_TEST=no" in skip_reason()
+    monkeypatch.delenv("POWERLENS_HTML_TEST")
+    monkeypatch.setattr(render_report, "find_chromium", lambda explicit=None: None)
+    assert "apt-get install chromium" in skip_reason() and "CHROMIUM" in skip_reason()
+    monkeypatch.setattr(render_report, "find_chromium", lambda explicit=None: "/usr/bin/chromium")
+    assert skip_reason() is None
 
 # name -> (width inches, height inches, dpi): pixel sizes 150x100, 80x80 and 800x320.
 FIGS = {"line.png": (3.0, 2.0, 50), "square.png": (2.0, 2.0, 40), "wide.png": (10.0, 4.0, 80)}
@@ -91,6 +112,7 @@ def checked(reports):
     return {k: render_report.check_images(p, timeout=90) for k, p in paths.items()}
 
 
+@needs_browser
 def test_every_figure_loads_with_its_true_pixel_size(reports, checked):
     _, sizes = reports
     res = checked["good"]
@@ -106,6 +128,7 @@ def test_every_figure_loads_with_its_true_pixel_size(reports, checked):
     assert res["badges"] == 6
 
 
+@needs_browser
 def test_broken_and_missing_figures_are_detected(checked):
     res = checked["bad"]
     assert res["images"] == 4
@@ -117,6 +140,7 @@ def test_broken_and_missing_figures_are_detected(checked):
     assert res["ok"] is False
 
 
+@needs_browser
 def test_wide_figures_get_a_full_row(reports):
     """Landscape figures (w >= 1.2 h, wider than 700 px) are marked ``wide``; the rest are not."""
     paths, _ = reports
@@ -125,6 +149,7 @@ def test_wide_figures_get_a_full_row(reports):
     assert classes == {"line.png": "", "square.png": "", "wide.png": ' class="wide"'}
 
 
+@needs_browser
 def test_command_line_exit_codes_and_screenshot(reports, tmp_path, capsys):
     from PIL import Image
     paths, _ = reports

@@ -234,12 +234,13 @@ def test_tiny_gguf_matches_transformers(tiny_llama):
     assert model.config.n_kv_heads == 1 and model.config.rope_theta == 300.0
     ids, mask = t["T"].batch()
     x0, valid = embed_ids(model, ids, mask.astype(bool))
-    hs = np.asarray(hidden_states(model, x0, valid), np.float64)
+    out = hidden_states(model, x0, valid)
+    hs = np.asarray(out.hf, np.float64)                     # transformers' tuple, last state normed
     ref = t["T"].hf_hidden_states(t["hf"], ids, mask)
     v = mask.astype(bool)
     errs = [float(np.abs(hs[k][v] - ref[k][v]).max()) for k in range(len(ref))]
     assert max(errs) <= 1e-4, errs
-    lg = np.asarray(logits(model, hs[-1], normed=True))
+    lg = np.asarray(logits(model, out[-1]))
     ref_lg = t["T"].hf_logits(t["hf"], ids, mask)
     assert np.abs(lg[v] - ref_lg[v]).max() <= 1e-4 * max(1.0, np.abs(ref_lg).max())
     # the loader undid the permutation: W_q is HF's q_proj again

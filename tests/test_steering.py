@@ -140,9 +140,10 @@ def test_checkpoint_delta_steers_transformers_like_powerlens(tmp_path, kind):
     u = as_direction(np.random.default_rng(1).standard_normal(model.layers.config.d_model))
     r = rank1(model.layers, u, alpha=3.0, w="value", layer=-1, spectrum=False)
     steered = model.replace(layers=r.layers)
-    hs = np.asarray(hidden_states(steered, x0, vj), np.float64)
-    lg = np.asarray(logits(steered, hs[-1], normed=True), np.float64)
-    hs0 = np.asarray(hidden_states(model, x0, vj), np.float64)
+    steered_hs = hidden_states(steered, x0, vj)
+    hs = np.asarray(steered_hs.hf, np.float64)             # transformers' tuple (last state normed)
+    lg = np.asarray(logits(steered, steered_hs[-1]), np.float64)
+    hs0 = np.asarray(hidden_states(model, x0, vj).hf, np.float64)
 
     def torch_outputs(stored_delta):
         weight = _OUT_PROJ[kind](hf)

@@ -79,7 +79,7 @@ class AlignResult:
 
     def plot(self, folder: str, *, title: Optional[str] = None, prefix: str = "") -> List[str]:
         path = os.path.join(folder, f"{prefix}alignment.png")
-        plot_measures(self.measures, path, xlabel="layer t" if self.mode == "layers" else "step t",
+        plot_measures(self.measures, path, over="layers" if self.mode == "layers" else "steps",
                       title=f"{title or ''} — rule {self.rule}, {self.mode}".strip(" —"))
         return [path]
 

@@ -147,23 +147,40 @@ class RunResult:
         return len(self.schedule)
 
 
-def plot_measures(measures: Dict[str, StepMeasures], path: str, *, xlabel: str, title: Optional[str] = None,
-                  other_layer_gamma: bool = False, marks=None) -> str:
+AXES = ("layers", "steps")
+
+
+def measure_axis(ref: StepMeasures, over: str):
+    """(x values "int[T]", x label) of the T steps of a run drawn ``over`` layers or steps:
+    ``layers`` numbers the layers from 0 (state t leaves layer t - 1, the (t-1)-th layer the
+    schedule applies), ``steps`` counts the steps done, 1 .. T."""
+    if over not in AXES:
+        raise ValueError(f"over must be one of {AXES}, got {over!r}")
+    t = np.asarray(ref.t)[1:]
+    return (t - 1, "layer") if over == "layers" else (t, "step t")
+
+
+def plot_measures(measures: Dict[str, StepMeasures], path: str, *, over: str, title: Optional[str] = None,
+                  other_layer_gamma: bool = False, marks=None, return_fig: bool = False):
     """gamma_t and rho_t (t >= 1) of one run per ordering (``measures``: order -> StepMeasures),
     with the chance band and the controls of the first ordering: the random subspace for
     gamma (and the other layer with ``other_layer_gamma``), both controls for rho.
-    ``marks``: label -> states t to shade (see :func:`powerlens.analysis.plots.plot_alignment`)."""
+    ``over``: ``layers`` (x = the layer, numbered from 0) or ``steps`` (x = the step, 1 .. T);
+    see :func:`measure_axis`. ``marks``: label -> x values (layers, or steps) to shade
+    (see :func:`powerlens.analysis.plots.plot_alignment`). Returns ``path`` (the figure with
+    ``return_fig``)."""
     from . import plots
     ref = next(iter(measures.values()))
+    x, xlabel = measure_axis(ref, over)
     step = lambda a: np.asarray(a)[1:]
     gamma_controls = {"random subspace": step(ref.gamma_random)}
     if other_layer_gamma:
         gamma_controls["other layer"] = step(ref.gamma_other_layer)
     return plots.plot_alignment(
-        step(ref.t), {o: step(m.gamma) for o, m in measures.items()}, {o: step(m.rho) for o, m in measures.items()},
+        x, {o: step(m.gamma) for o, m in measures.items()}, {o: step(m.rho) for o, m in measures.items()},
         path, chance=step(ref.chance_gamma), chance_band=step(ref.chance_band), gamma_controls=gamma_controls,
         rho_controls={"random subspace": step(ref.rho_random), "other layer": step(ref.rho_other_layer)},
-        xlabel=xlabel, title=title, marks=marks)
+        xlabel=xlabel, title=title, marks=marks, return_fig=return_fig)
 
 
 def rows_csv(rows: List[dict]) -> str:
@@ -238,7 +255,7 @@ def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention
     from tqdm.auto import tqdm
 
     check_order(order)
-    X0 = check_tokens(X0, layers.config.d_model)
+    X0 = check_tokens(X0, layers.config.d_model, valid=valid)
     if X0.ndim == 2:
         X0 = X0[None]
     if spectra is None:
@@ -255,7 +272,8 @@ def run_system(layers: Layers, X0, valid=None, *, rule: str = "paper", attention
         for start in range(0, T, chunk):
             sched = schedule.array(start, start + chunk)
             traj = simulate_batch(layers, X, subs, valid=valid, rule=rule, attention=attention,
-                                  keep_bias=keep_bias, save_states=keep, schedule=sched, positions=positions)
+                                  keep_bias=keep_bias, save_states=keep, schedule=sched, positions=positions,
+                                  check_finite=False)          # checked here, naming the step of the whole run
             part = pooled(traj)
             bad = first_non_finite(part, dims[sched])
             if bad is not None:

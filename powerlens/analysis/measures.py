@@ -16,7 +16,7 @@ import itertools
 import math
 
 import numpy as np
-from scipy import special, stats
+from scipy import special
 
 
 def chance_gamma(d: int, k: int = 1) -> float:
@@ -42,7 +42,12 @@ def binomial_pvalue(successes, trials: int, p: float = 0.5):
     """One-sided P(Bin(trials, p) >= successes): evidence that rho exceeds p. ``successes``
     an int (a float is returned) or "int[...]" (then "float[...]", one p-value each)."""
     k = np.asarray(successes, np.int64)
-    out = stats.binom.sf(k - 1, int(trials), p) if trials > 0 else np.full(k.shape, np.nan)
+    n = int(trials)
+    if n > 0:   # P(X >= k) = I_p(k, n - k + 1), what scipy.stats.binom.sf computes (the same bits)
+        kk = np.clip(k, 1, n)
+        out = np.where(k <= 0, 1.0, np.where(k > n, 0.0, special.betainc(kk, n - kk + 1, p)))
+    else:
+        out = np.full(k.shape, np.nan)
     return float(out) if np.ndim(out) == 0 else np.asarray(out, float)
 
 

@@ -25,7 +25,6 @@ from typing import List, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
 
 from ..dynamics.params import Layers, layer_factors, layer_matrices
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces  # noqa: F401  (Subspaces re-exported)
@@ -120,6 +119,7 @@ def _schur_basis(F: np.ndarray, order: str, threshold: float):
         select = lambda re, im: np.hypot(1.0 + re, im) > threshold
     else:
         select = lambda re, im: np.hypot(re, im) > threshold
+    import scipy.linalg                 # only here and for a null space: not on the usual path
     _, Z, sdim = scipy.linalg.schur(F, output="real", sort=select)
     return np.array(Z[:, :sdim]), int(sdim)
 
@@ -215,6 +215,7 @@ def _eig_factored(A: np.ndarray, B: np.ndarray):
         if np.all(cols < r):
             return X[:, cols]
         if not null:
+            import scipy.linalg
             null.append(scipy.linalg.qr(B.T, mode="full")[0][:, r:])
         return np.concatenate([X, null[0]], axis=1)[:, cols]
 

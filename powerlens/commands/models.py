@@ -65,7 +65,7 @@ def cmd_spectrum_model(args) -> int:
            "model": {"family": model.info.family, "source": model.info.source,
                      "unique_layers": model.layers.n_unique, "schedule": list(model.layers.schedule)},
            "layers": layers_json(model, spectra)}
-    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
+    with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"),
                                title=f"{args.model}: eigenvalues of F_t = O_t V_t")
@@ -92,7 +92,7 @@ def cmd_align(args) -> int:
                          seed=args.seed, progress=not args.quiet, x0=x0, valid=valid)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, **result.to_json(),
            "layers": layers_json(model, result.spectra)}
-    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
+    with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "align.json"), doc)
         result.plot(stage, title=args.model)
     print(f"wrote {args.out}: align.json, alignment figures ({result.n_tokens} tokens, {len(texts)} prompts)")

@@ -22,7 +22,7 @@ def write_run_figures(stage: str, res, *, title: str = "") -> list:
     """eigenvalues.png, alignment.png, consensus.png and trajectories.png of a run."""
     m = res.measures
     files = [plots.plot_eigenvalues(res.spectra, os.path.join(stage, "eigenvalues.png"), title=title or None)]
-    files.append(plot_measures({res.order: m}, os.path.join(stage, "alignment.png"), xlabel="step t",
+    files.append(plot_measures({res.order: m}, os.path.join(stage, "alignment.png"), over="steps",
                                title=title or None, other_layer_gamma=True))
     files.append(plots.plot_consensus(
         m.consensus, os.path.join(stage, "consensus.png"), rank_collapse=m.rank_collapse,
@@ -56,7 +56,7 @@ def cmd_simulate(args) -> int:
     rows = res.measures.rows()
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "steps": rows,
            "layers": spectra_json(res.spectra)}
-    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
+    with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "metrics.json"), doc)
         io.write_text(os.path.join(stage, "metrics.csv"), rows_csv(rows))
         if args.save_states:
@@ -66,7 +66,7 @@ def cmd_simulate(args) -> int:
     last = rows[-1]
     print(f"wrote {args.out}: metrics.json, metrics.csv, {len(figs)} figures"
           + (", states.npy" if args.save_states else ""))
-    print(f"T={res.steps}  final gamma={_fmt(last['gamma'])}  consensus={_fmt(last['consensus'])}  "
+    print(f"T={res.steps}  final gamma={_fmt(last['gamma'])}  distance to consensus={_fmt(last['consensus'])}  "
           f"top eigenvalue (shifted)={res.spectra[-1].shifted.top:.4g}")
     return 0
 
@@ -80,7 +80,7 @@ def cmd_spectrum_weights(args) -> int:
     budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
     spectra = spectra_of(layers)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "layers": spectra_json(spectra)}
-    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
+    with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"))
     differ = [s.layer for s in spectra if s.orderings_differ]

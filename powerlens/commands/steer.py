@@ -2,8 +2,14 @@
 
 α comes from ``--alpha``, from ``--target-alignment c`` (the exact one-step relation of
 the ``paper`` rule: the smallest α from which every token has |cos(x, u)| ≥ c after the
-steered layer; the default, with c = 0.99) or from ``--optimize`` (optax: min ‖ΔO‖ subject
-to the worst final alignment ≥ c, rank ``--rank``). Alignment is sign-free, as γ is.
+steered layer; the default, with c = 0.99), or ``--optimize`` learns a change ΔO of rank at
+most ``--rank`` instead (optax: min ‖ΔO‖_F subject to the worst final alignment ≥ c; it has no
+α, and is reported by its norm and rank beside the closed form at equal alignment). Alignment
+is sign-free, as γ is.
+
+The closed-form w (``--w``, default ``auto``) is ``inverse`` where the last layer's V_cat has
+full column rank and ``value`` otherwise (every grouped-query model); the choice is printed
+and recorded in steer.json as ``w``.
 """
 from __future__ import annotations
 
@@ -53,8 +59,8 @@ def _final_cos(layers, x0, valid, u):
 def _topk_bars(model, delta, layer, x0, valid, target_id, k: int = 6):
     """Tokens (top-k before, top-k after, the target) and their probabilities for prompt 0."""
     import jax
-    from ..models.embed import tokenizer
     from ..models.forward import logits
+    from ..models.tokens import token_texts
     from ..steering.effects import forward_final, steered_model
     v = np.asarray(valid, bool)[0]
     last = int(np.nonzero(v)[0][-1])
@@ -64,13 +70,12 @@ def _topk_bars(model, delta, layer, x0, valid, target_id, k: int = 6):
         probs.append(np.asarray(jax.nn.softmax(logits(m, h[:, last:last + 1])[0, 0]), np.float64))
     ids = list(dict.fromkeys(list(np.argsort(-probs[0])[:k]) + list(np.argsort(-probs[1])[:k])
                              + ([target_id] if target_id is not None else [])))
-    tok = tokenizer(model)
-    labels = [tok.decode([int(i)]) for i in ids]
+    labels = token_texts(model, ids)                                    # decode(model, [id]) of each
     return labels, [float(probs[0][i]) for i in ids], [float(probs[1][i]) for i in ids]
 
 
 def cmd_steer(args) -> int:
-    from ..steering import minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
+    from ..steering import layer_w_choice, minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
     from ..steering.alpha import check_target
     from ..steering.rank1 import check_alpha
     layers, model, x0, valid, texts = _system(args)
@@ -83,28 +88,47 @@ def cmd_steer(args) -> int:
         raise ValueError(f"--rank must be a positive integer, got {args.rank}")
     direction = parse_direction(args.direction, d=layers.config.d_model, model=model, seed=args.seed)
     u = direction.vector
-    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "direction": direction.to_json()}
+    choice = layer_w_choice(layers, args.w)
+    w = choice.kind
+    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "direction": direction.to_json(),
+           "w": w, "w_choice": choice.to_json()}
     if args.optimize:
         opt = optimize_steering(layers, x0, u, valid=valid, target=target, reduce="min", param="lowrank",
-                                rank=args.rank, w=args.w, seed=args.seed, signed=False)
+                                rank=args.rank, w=w, seed=args.seed, signed=False)
+        if not opt.feasible[0]:
+            raise ValueError(f"--optimize found no change of rank <= {args.rank} reaching alignment {target} "
+                             f"(the closed-form start reached {float(opt.closed_alignment[0]):.3g}); "
+                             f"lower --target-alignment")
         delta = np.asarray(opt.delta_O[0])
         doc["optimize"] = opt.to_json(0)
-        alpha = float(opt.closed_alpha[0])
-        method = f"gradient (rank {args.rank})"
+        alpha = float(opt.closed_alpha[0])          # the closed form's, at the same alignment: the reference
+        method = f"gradient, rank <= {args.rank}"
     else:
         if args.alpha is not None:
             alpha = float(args.alpha)
             method = "closed form, given alpha"
         else:
-            m = minimal_alpha(layers, u, x0, valid=valid, target=target, w=args.w, signed=False)
+            m = minimal_alpha(layers, u, x0, valid=valid, target=target, w=w, signed=False)
             doc["minimal_alpha"] = m.to_json()
             alpha = m.alignment.alpha
             method = f"closed form, smallest alpha for alignment {target}"
         delta = None
-    r1 = rank1(layers, u, alpha=alpha, w=args.w)
+    r1 = rank1(layers, u, alpha=alpha, w=w)
     if delta is None:
         delta = r1.delta_O
-    doc.update({"method": method, "alpha": alpha, "delta_norm": float(np.linalg.norm(delta)), "rank1": r1.to_json()})
+    delta_norm = float(np.linalg.norm(delta))
+    doc.update({"method": method, "delta_norm": delta_norm})
+    if args.optimize:      # a learned change has a norm and a rank, no alpha
+        delta_rank = doc["optimize"]["delta_rank"]
+        doc.update({"delta_rank": delta_rank, "closed_form_at_equal_alignment": r1.to_json()})
+        size = f"||dO||_F={delta_norm:.4g} (rank {delta_rank})"
+        size_title = f"‖ΔO‖_F={delta_norm:.3g}, rank {delta_rank}"
+        reference = f"  closed form at equal alignment: alpha={alpha:.4g}  ||dO||_F={r1.delta_norm:.4g}"
+    else:
+        doc.update({"alpha": alpha, "delta_rank": 1, "rank1": r1.to_json()})
+        size = f"alpha={alpha:.4g}  ||dO||_F={delta_norm:.4g}"
+        size_title = f"α={alpha:.3g}"
+        reference = None
     steered = layers.replace(W_o=layers.W_o.at[r1.layer].add(np.asarray(delta, np.asarray(layers.W_o).dtype)))
     before = _final_cos(layers, x0, valid, u)
     after = _final_cos(steered, x0, valid, u)
@@ -115,25 +139,27 @@ def cmd_steer(args) -> int:
     grid = alpha * np.logspace(-2, 1, 13)
     curve_mean, curve_min = [], []
     for a in grid:
-        c = _final_cos(rank1(layers, u, alpha=float(a), w=args.w, spectrum=False).layers, x0, valid, u)
+        c = _final_cos(rank1(layers, u, alpha=float(a), w=w, spectrum=False).layers, x0, valid, u)
         curve_mean.append(float(c.mean()))
         curve_min.append(float(c.min()))
     doc["alignment_vs_alpha"] = {"alpha": grid.tolist(), "mean": curve_mean, "min": curve_min}
     if model is not None:
         neutral = NEUTRAL if model.info.decoder else None
         doc["effects"] = output_effects(model, u, delta, texts, target_id=direction.token_id, neutral=neutral)
-    with io.output_dir(args.out, overwrite=args.overwrite, command=args.command) as stage:
+    with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "steer.json"), doc)
         plots.plot_curve(grid, {"mean over tokens": np.array(curve_mean), "worst token": np.array(curve_min)},
                          os.path.join(stage, "alignment_vs_alpha.png"), xlabel="α", ylabel="|cos(x_final, u)|",
-                         logx=True, hlines={"target": target}, title=f"Alignment against α ({direction.label})")
+                         logx=True, hlines={"target": target}, title=f"Closed form: alignment against α ({direction.label})")
         plots.plot_histogram_before_after(before, after, os.path.join(stage, "alignment_hist.png"),
-                                          xlabel="|cos(x_final, u)| (paper rule)", title=f"{method}: α={alpha:.3g}")
+                                          xlabel="|cos(x_final, u)| (paper rule)", title=f"{method}: {size_title}")
         if model is not None and model.info.decoder:
             labels, pb, pa = _topk_bars(model, delta, r1.layer, x0, valid, direction.token_id)
             plots.plot_bars(labels, pb, pa, os.path.join(stage, "topk.png"),
-                            title=f"Next token after prompt 1: before vs after steering toward {direction.label}")
+                            title=f"Next token after the first prompt: before vs after steering toward {direction.label}")
     print(f"wrote {args.out}: steer.json and figures")
-    print(f"  {method}: alpha={alpha:.4g}  ||dO||_F={doc['delta_norm']:.4g}  "
-          f"alignment mean {before.mean():.3f} -> {after.mean():.3f} (min {after.min():.3f})")
+    print(f"  {choice.describe()}")
+    print(f"  {method}: {size}  alignment mean {before.mean():.3f} -> {after.mean():.3f} (min {after.min():.3f})")
+    if reference:
+        print(reference)
     return 0

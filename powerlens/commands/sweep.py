@@ -21,7 +21,8 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("spec", help="the sweep spec (TOML): [grid], [system] or [model], [run], [measure]")
     p.add_argument("--out", required=True, help="output folder; a sweep with the same spec resumes into it")
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh in a folder written with another spec, or not by powerlens")
+                   help="start afresh in a folder written with another spec or by another command "
+                        "(a folder holding files powerlens did not write is never emptied)")
     p.add_argument("--plot", metavar="M:X:Y",
                    help="heatmap of measure M over grid axes X and Y (default final_gamma over the first two)")
     p.add_argument("--processes", type=int, default=1, help="start N local worker processes (127.0.0.1)")
@@ -30,7 +31,8 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=int, help="with --coordinator: how many processes take part")
     p.add_argument("--process-id", type=int, help="with --coordinator: this process's index, 0 .. N-1")
     p.add_argument("--init-timeout", type=float, default=60.0,
-                   help="seconds to wait for the coordinator and the other processes (default 60)")
+                   help="seconds to wait for the coordinator and the other processes, at most 86400 "
+                        "(default 60)")
     p.add_argument("--global-mesh", action="store_true",
                    help="shard every chunk over all processes' devices (default: each process runs its own chunks)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -52,18 +54,18 @@ def cmd_sweep(args) -> int:
     from ..sweeps import distributed
     from ..sweeps.report import parse_plot
     from ..sweeps.spec import load_spec
+    from ..sweeps.api import folder_spec
     from ..sweeps.store import check_folder
     if args.processes < 1:
         raise ValueError(f"--processes must be a positive integer, got {args.processes}")
-    if args.init_timeout <= 0:
-        raise ValueError(f"--init-timeout must be positive, got {args.init_timeout:g}")
+    distributed.check_init_timeout(args.init_timeout)          # nan or inf would wait for ever
     spec = load_spec(args.spec)
     parse_plot(args.plot, spec)
-    target = io.check_out_path(args.out)
+    target = io.check_out_path(args.out, command="sweep")
     if args.processes > 1:
         if args.coordinator:
             raise ValueError("--processes starts its own workers; it cannot be combined with --coordinator")
-        check_folder(target, spec.to_dict(), args.overwrite)      # refused before any worker starts
+        check_folder(target, folder_spec(spec), args.overwrite)   # refused before any worker starts
         return distributed.spawn(_forwarded(args), args.processes)
     # before anything starts the backend: the numbers then do not depend on the process count
     distributed.same_numbers_xla()
@@ -72,7 +74,8 @@ def cmd_sweep(args) -> int:
     from ..sweeps.api import sweep
     rank = jax.process_index()
     df = sweep(spec, target, overwrite=args.overwrite, plot=args.plot, progress=not args.quiet and rank == 0,
-               mode="global" if args.global_mesh else "local")
+               mode="global" if args.global_mesh else "local",
+               announce=lambda plan: print(f"powerlens sweep: {plan}", flush=True))
     if rank:
         print(f"powerlens sweep: process {rank} of {jax.process_count()} done")
         return 0
@@ -81,8 +84,10 @@ def cmd_sweep(args) -> int:
         info = json.load(fh)
     t = info["timing"]
     rate = f", {t['systems_per_second']:.1f} systems/s" if t["systems_per_second"] else ""
+    bad = info["non_finite"]
     print(f"powerlens sweep: {len(df)} systems ({info['chunks_computed']} chunks computed, "
-          f"{info['chunks_resumed']} resumed{rate}" + (f", {jax.process_count()} processes" if multi else "") + ")")
+          f"{info['chunks_resumed']} resumed{rate}" + (f", {jax.process_count()} processes" if multi else "")
+          + f"); {bad} non-finite" + (" (their measures are null; try x64 = true or smaller values)" if bad else ""))
     print(f"wrote {args.out}: results.parquet, results.csv, sweep.json, report.html, "
           f"{len(info.get('figures', []))} figures")
     return 0

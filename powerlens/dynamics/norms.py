@@ -5,6 +5,11 @@
     rmsnorm    x / sqrt(mean(x^2) + eps) * scale             (Llama; also the per-head q/k norms of
                Qwen3 / Gemma 3 over the last axis e; Gemma's x / rms(x) * (1 + w) is this with
                scale = 1 + w, folded at conversion)
+
+A row whose variance (mean square, squared L2 norm) overflows the dtype (finite entries beyond about 1.8e19
+in float32) is normed to NaN, not to the 0 that x / inf would give: the state it feeds is then
+non-finite, which the ``finite`` observer reports, instead of a run that silently stops
+moving (a pre-LN step x + attn(LN x) with LN x = 0 adds only the constant term).
 """
 from __future__ import annotations
 
@@ -14,14 +19,21 @@ from .params import NORMS
 
 
 def l2_normalize(X):
-    """Divide each row by its L2 norm. Rows must be non-zero (checked at the API boundary)."""
-    return X / jnp.linalg.norm(X, axis=-1, keepdims=True)
+    """Divide each row by its L2 norm (NaN where the norm overflowed to inf, as in the module
+    docstring). Rows must be non-zero (checked at the API boundary)."""
+    norm = jnp.linalg.norm(X, axis=-1, keepdims=True)
+    return X / jnp.where(norm < jnp.inf, norm, jnp.nan)
+
+
+def _inverse_rms(ms, eps):
+    """1 / sqrt(ms + eps) of a variance or mean square "float[... 1]"; NaN where ms overflowed to inf."""
+    return jnp.where(ms < jnp.inf, jnp.reciprocal(jnp.sqrt(ms + eps)), jnp.nan)
 
 
 def layer_norm(X, scale=None, bias=None, eps=1e-5):
     mu = jnp.mean(X, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(X - mu), axis=-1, keepdims=True)
-    Y = (X - mu) * jnp.reciprocal(jnp.sqrt(var + eps))
+    Y = (X - mu) * _inverse_rms(var, eps)
     if scale is not None:
         Y = Y * scale
     if bias is not None:
@@ -30,7 +42,7 @@ def layer_norm(X, scale=None, bias=None, eps=1e-5):
 
 
 def rms_norm(X, scale=None, eps=1e-6):
-    Y = X * jnp.reciprocal(jnp.sqrt(jnp.mean(jnp.square(X), axis=-1, keepdims=True) + eps))
+    Y = X * _inverse_rms(jnp.mean(jnp.square(X), axis=-1, keepdims=True), eps)
     if scale is not None:
         Y = Y * scale
     return Y

@@ -24,19 +24,23 @@ with ``measure_after``: for small states, one vectorised measure of all T+1 stat
     states()               every state "float[T+1 n d]"
     finite()               is every valid token of each state finite and non-zero? "bool[T+1]"
     final()                the last state "float[n d]"
+    attention_maps(layers, rule=...)  each step's attention weights per head "float[T H n n]"
+                           (O(T H n^2) memory: ask for it only when you need the patterns)
 
 Measures of a *state* (consensus, states) include the initial state at index 0, so they
 have T+1 entries; measures of a *step* (alignment) have T.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from .attention import _softmax_qkv, check_attention, key_bias, uniform_weights
 from .cache import per_arrays
+from .layer import _norm, check_rule
 from .measures import consensus_measures, masked_mean, mean_angle, unit_rows
 from .params import layer_factors
 from .subspaces import Subspaces, reference_index
@@ -63,6 +67,14 @@ class Observer(NamedTuple):
     update: Callable[..., Tuple[Any, Any]]
     finish: Callable[[Any, Any], Any] = _outputs
     of_states: Optional[Callable[..., Any]] = None
+
+
+def labelled(values: "float[... m]", names: Sequence[str]) -> Dict[str, jax.Array]:
+    """``{name: values[..., r]}``: measures against the m references, each under its name
+    (``principal``, ``random``, ``other_layer``), instead of a bare vector."""
+    if values.shape[-1] != len(names):
+        raise ValueError(f"labelled: {values.shape[-1]} values on the last axis for {len(names)} names {tuple(names)}")
+    return {name: values[..., r] for r, name in enumerate(names)}
 
 
 # ------------------------------------------------------------------------ alignment
@@ -92,6 +104,13 @@ class Alignment:
 
     def index(self, name: str) -> int:
         return reference_index(self.names, name)
+
+    def named(self, field: str = "gamma") -> Dict[str, jax.Array]:
+        """``field`` (gamma, gamma_before or rho) per reference name: ``{"principal": "float[T]",
+        "random": ..., "other_layer": ...}`` (:func:`labelled`)."""
+        if field not in ("gamma", "gamma_before", "rho"):
+            raise ValueError(f"Alignment.named: field must be gamma, gamma_before or rho, got {field!r}")
+        return labelled(getattr(self, field), self.names)
 
 
 def complex_pair_planes(subspaces: Subspaces, layers, p: int):
@@ -256,6 +275,59 @@ def final() -> Observer:
                     update=lambda last, X, Y, step: (Y, None),
                     finish=lambda last, outs: last,
                     of_states=lambda S, valid, layers, schedule: S[-1])
+
+
+# ------------------------------------------------------------------------ attention weights
+
+def attention_input(lp, X: "float[n d]", rule: str) -> "float[n d]":
+    """What the attention of one layer reads under ``rule`` (as
+    :func:`~powerlens.dynamics.layer.layer_step` applies it): the layer's first norm of X for
+    ``pre_ln`` and for ``full`` on a pre-norm model, X itself otherwise."""
+    pre = rule == "pre_ln" or (rule == "full" and lp.config.norm_placement != "post")
+    return _norm(lp, X, "norm") if pre else X
+
+
+def head_weights(lp, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
+                 positions: "int[n] | None" = None) -> "float[H n n]":
+    """The attention weights A_h "float[H n n]" of one layer on its input X (rows sum to 1).
+
+    Softmax: A_h = softmax(cap(scale q_h k_h^T) + mask) with the layer's q/k biases, q/k norms,
+    RoPE, soft-cap, causal, window and padding masks, query head h reading key head h // r (as
+    :func:`~powerlens.dynamics.attention.dense_softmax_mix` mixes them); a query with no
+    allowed key (padding) gets uniform weights. ``uniform`` and ``identity``: the one
+    head-independent pattern, repeated for every head."""
+    cfg = lp.config
+    n = X.shape[0]
+    if attention != "softmax":
+        A = uniform_weights(n, valid, cfg.causal, X.dtype) if attention == "uniform" else jnp.eye(n, dtype=X.dtype)
+        return jnp.broadcast_to(A, (cfg.n_heads, n, n))
+    q, k, _ = _softmax_qkv(lp, X, positions)                          # (H, n, e), (G, n, e)
+    if cfg.kv_group > 1:
+        k = jnp.repeat(k, cfg.kv_group, axis=0)
+    s = jnp.einsum("hme,hje->hmj", q, k)
+    cap = cfg.attn_softcap
+    s = s * jnp.asarray(lp.scale, s.dtype) if cap is None else cap * jnp.tanh(lp.scale * s / cap)
+    s = s + key_bias(n, valid, causal=cfg.causal, window=lp.window, dtype=s.dtype)
+    return jax.nn.softmax(s, axis=-1)
+
+
+def attention_maps(layers, *, rule: str, attention: str = "softmax", positions: "int[n] | None" = None) -> Observer:
+    """The attention weights of every step, per head: "float[T H n n]" (step t: the layer
+    schedule[t] reading x_t under ``rule``; :func:`head_weights`).
+
+    ``layers``: the Layers the run iterates (each step reads its layer's q/k weights). Memory is
+    O(T H n^2): ask for it when the patterns themselves are wanted."""
+    check_rule(rule)
+    check_attention(attention)
+
+    def weights(X, u, valid):
+        lp = layers.layer(u)
+        return head_weights(lp, attention_input(lp, X, rule), valid, attention=attention, positions=positions)
+
+    return Observer(init=lambda x0, valid, layers_: None,
+                    update=lambda state, X, Y, step: (state, weights(X, step.layer, step.valid)),
+                    of_states=lambda S, valid, layers_, schedule: jax.vmap(weights, (0, 0, None))(
+                        S[:-1], schedule, valid))
 
 
 READY = {"alignment": alignment, "consensus": consensus, "states": states, "finite": finite, "final": final}

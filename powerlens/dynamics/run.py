@@ -17,6 +17,13 @@ built once before the scan), and, for a single unique layer (a shared-weight sys
 layer's parameters (no gather per step). A compact static schedule
 (:class:`~powerlens.dynamics.schedule.Schedule`: a shared-weight system, or one step per
 layer) is scanned by its length alone: no "int[T]" index array is built.
+
+Padding is inert: the padding rows of every state, x_0 included, hold the unit vector e_1
+(one elementwise ``where`` per step, no second pass over the layer). Whatever a padding token was
+given (a zero embedding row, say) or would become (a zero row under N2, a query with no key
+to attend to), it stays finite, so no NaN can leak through a mask into the valid tokens
+(A_ij = 0 times NaN is NaN); valid tokens never read a padding key, so their states are the
+same as without it.
 """
 from __future__ import annotations
 
@@ -28,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import BLOCKED_ABOVE, check_attention
-from .inputs import check_batch
+from .inputs import check_batch, check_mask, check_schedule, check_tokens, concrete
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step, states
-from .params import Layers
+from .params import Layers, real_array
 from .projections import Projections, build_projections, prepared_projections
 
 
@@ -68,12 +75,23 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
 
     Returns:
       A dict with one entry per observer: what its ``finish`` returns.
+
+    Raises ValueError for a complex or wrongly shaped x0 or mask, and, where they are concrete
+    (not traced by a caller's ``jit``, ``vmap`` or ``grad``), for a mask with no valid token, a
+    schedule index outside [0, U) and a valid token that is non-finite or zero
+    (:mod:`powerlens.dynamics.inputs`).
     """
     check_rule(rule)
     check_attention(attention)
+    x0, valid, schedule = _checked(layers, x0, valid, schedule)
     x0 = jnp.asarray(x0, layers.W_v.dtype)          # the system's precision (NumPy float64 tokens too)
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
+        inert = lambda X: X                          # no padding
+    else:
+        pad_row = jnp.zeros(x0.shape[-1], x0.dtype).at[0].set(1)
+        inert = lambda X: jnp.where(valid[:, None], X, pad_row)
+    x0 = inert(x0)
     static = layers.schedule if schedule is None else None
     if static is not None and static.arithmetic:      # layer of step t = start + stride * t
         xs, length, layer_of = None, len(static), lambda t, _: static.start + static.stride * t
@@ -92,8 +110,8 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         u = layer_of(t, u)
         lp = lp0 if shared else layers.layer(u)
         proj = proj0 if shared else (None if projections is None else projections.layer(u))
-        Y = layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                       positions=positions, projections=proj)
+        Y = inert(layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                             positions=positions, projections=proj))
         info = Step(t=t, layer=u, valid=valid)
         new, outs = {}, {}
         for name, ob in observers.items():
@@ -110,6 +128,33 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         return out
     layer_of_step = xs if xs is not None else jnp.arange(length, dtype=jnp.int32) * static.stride + static.start
     return {name: ob.of_states(out["states"], valid, layers, layer_of_step) for name, ob in measured.items()}
+
+
+def _checked(layers: Layers, x0, valid, schedule):
+    """``run``'s inputs validated: x0 real "float[n d]" and valid "bool[n]" always (dtype and
+    shape are known when traced too); the values (a valid token, a schedule in range, the
+    tokens finite and non-zero) where they are concrete. Returns (x0, valid, schedule)."""
+    d = layers.config.d_model
+    x0 = real_array("x0", x0)                      # complex is refused, never cast (traced x0 too)
+    if x0.ndim != 2 or x0.shape[-1] != d or x0.shape[0] == 0:
+        raise ValueError(f"run takes one prompt x0 of shape (n, {d}) with n >= 1, got {tuple(x0.shape)}; "
+                         f"batch prompts with vmap or run_batch")
+    v = None
+    if valid is not None:
+        if tuple(np.shape(valid)) != x0.shape[:1]:
+            raise ValueError(f"valid mask has shape {tuple(np.shape(valid))}, expected {x0.shape[:1]}")
+        v = concrete(valid)
+        if v is not None:
+            v = check_mask(v, x0.shape[:1])
+            valid = jnp.asarray(v)
+    if schedule is not None:
+        s = concrete(schedule)
+        if s is not None:
+            schedule = check_schedule(s, layers.n_unique)
+    xc = concrete(x0)
+    if xc is not None and (valid is None or v is not None):
+        check_tokens(xc, d, valid=v, dtype=layers.W_v.dtype)
+    return x0, valid, schedule
 
 
 MEASURE_AFTER_BYTES = 2 ** 21
@@ -232,15 +277,19 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     Returns ``{name: result}`` with a leading prompt axis B, e.g. ``"final"``:
     "float[B n d]", ``"states"``: "float[B T+1 n d]" ("float[T+1 B n d]" with ``steps_first``,
     the order the scan writes them in). A single prompt "float[n d]" gets B = 1.
+
+    Validated on the host first (:func:`~powerlens.dynamics.inputs.check_batch`, and
+    :func:`~powerlens.dynamics.inputs.check_schedule` for a ``schedule`` array): one-line
+    ValueErrors, never a cast or a clamp.
     """
     check_rule(rule)
     check_attention(attention)
     bad = [o for o in observe if o not in BATCH_OBSERVERS]
     if bad:
         raise ValueError(f"unknown observer(s) {bad} for run_batch; expected some of {BATCH_OBSERVERS}")
-    X0, valid = check_batch(X0, valid, layers.config.d_model)
+    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.W_v.dtype)
     if schedule is not None:
-        schedule = jnp.asarray(schedule, jnp.int32)
+        schedule = check_schedule(schedule, layers.n_unique)
     # states and final alone: nothing to measure after
     after = any(o in ("consensus", "finite") for o in observe) and measure_after_pays(layers, X0, schedule)
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray

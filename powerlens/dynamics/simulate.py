@@ -16,7 +16,7 @@ import numpy as np
 from flax import struct
 
 from .attention import check_attention
-from .inputs import check_batch, check_tokens  # noqa: F401  (check_tokens: public here too)
+from .inputs import check_batch, check_schedule, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
 from .observers import alignment, consensus, final, finite, rotation_planes, states
 from .projections import prepared_projections
@@ -116,24 +116,51 @@ simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC + ("chunk"
 def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "bool[B n] | None" = None,
                    rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
                    save_states: bool = False, schedule: "int[T] | None" = None,
-                   positions: "int[n] | None" = None) -> Trajectory:
+                   positions: "int[n] | None" = None, check_finite: bool = True) -> Trajectory:
     """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]"
     (on a CPU, short prompts in chunks: :func:`~powerlens.dynamics.run.prompt_chunk`): every
     field of the :class:`Trajectory` gets a leading axis B.
 
-    Validates the inputs (clear errors, never a silent NaN) and runs jit-compiled; small
-    batches are measured after the scan (:func:`~powerlens.dynamics.run.measure_after_pays`).
+    Validates the inputs (:func:`~powerlens.dynamics.inputs.check_batch`,
+    :func:`~powerlens.dynamics.inputs.check_schedule`: one-line ValueErrors, never a cast or a
+    clamp) and runs jit-compiled; small batches are measured after the scan
+    (:func:`~powerlens.dynamics.run.measure_after_pays`).
+
+    ``check_finite``: a state that is not finite (a value overflowed the system's dtype, e.g.
+    the attention scores of tokens or weights too large for float32) is a ValueError naming
+    the prompt and the step (:func:`check_trajectory`), never a silently NaN Trajectory. False
+    returns the Trajectory as it is: its ``finite`` flags mark the bad states, and every
+    measure of one is NaN.
     """
     check_rule(rule)
     check_attention(attention)
-    X0, valid = check_batch(X0, valid, layers.config.d_model)
+    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.W_v.dtype)
     if schedule is not None:
-        schedule = jnp.asarray(schedule, jnp.int32)
-    return simulate_batch_jit(layers, np.asarray(X0, layers.W_v.dtype), subspaces, valid, positions,
+        schedule = check_schedule(schedule, layers.n_unique)
+    traj = simulate_batch_jit(layers, X0, subspaces, valid, positions,
                               schedule, prepared_projections(layers, attention), rotation_planes(subspaces, layers),
                               rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule),
                               chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))
+    if check_finite:
+        check_trajectory(traj, X0, valid, rule=rule)
+    return traj
+
+
+def check_trajectory(traj: Trajectory, X0: "float[B n d]", valid: "bool[B n]", *, rule: str) -> None:
+    """A one-line ValueError naming the first prompt and step whose state is not finite (or has
+    a valid token collapsed to 0) in a batch Trajectory (``finite`` "bool[B T+1]"), or nothing.
+    Step t counts from 1 (the state after step t; X0 is state 0)."""
+    ok = np.asarray(traj.finite, bool)
+    if ok.all():
+        return
+    b, t = (int(i) for i in np.argwhere(~ok)[0])
+    dtype = np.dtype(traj.final.dtype).name
+    top = float(np.max(np.abs(np.asarray(X0[b])[np.asarray(valid[b], bool)])))
+    raise ValueError(f"the state of prompt {b} became non-finite at step {t} of {ok.shape[1] - 1} (rule {rule}, "
+                     f"{dtype}): a value overflowed the {dtype} range (attention scores grow as the square of the "
+                     f"tokens, whose largest |entry| in x0 is {top:.3g}), or a token collapsed to 0; rescale x0 or "
+                     f"the weights or use float64 (check_finite=False returns the Trajectory, NaN from that step)")
 
 
 def pooled(traj: Trajectory) -> dict:

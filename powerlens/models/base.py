@@ -28,7 +28,7 @@ class ModelInfo:
 
     family: ``bert``, ``albert``, ``roberta``, ``distilbert``, ``gpt2``, ``gpt_neo``, ``llama``,
     ``mistral``, ``qwen2``, ``gpt_neox``, ``opt``, ``phi``, ``phi3`` (and the other registered model types).
-    source: the path it was read from. tokenizer: a folder for ``AutoTokenizer`` or a
+    source: the path it was read from. tokenizer: a folder with tokenizer files or a
     ``.gguf`` path. max_positions: longest prompt the position embeddings allow
     (None = unbounded, RoPE). decoder: causal LM. hidden_state_steps: the schedule
     step indices (1-based counts of steps done) after which Hugging Face records

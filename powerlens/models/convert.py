@@ -125,12 +125,18 @@ def check_config(config: Mapping, source: str, family: str, *, handled: Collecti
 _REQUIRED = object()
 
 
-def require(config: Mapping, key: str, source: str, *aliases: str, kind=int, default=_REQUIRED):
-    """``config[key]`` (or the first alias present) as a positive ``kind`` (int or float).
+WINDOW_MAX = 2 ** 31 - 1
+"""The largest local attention window (``sliding_window``, ``window_size``): windows are int32."""
+
+
+def require(config: Mapping, key: str, source: str, *aliases: str, kind=int, default=_REQUIRED,
+            maximum: Optional[int] = None):
+    """``config[key]`` (or the first alias present) as a positive ``kind`` (int or float; a float
+    must be finite), at most ``maximum`` when given (e.g. :data:`WINDOW_MAX`).
 
     ``default``: returned when neither ``key`` nor an alias is set (absent or null);
     without it that is a CheckpointError naming the key. A value that is not a positive
-    ``kind`` is a CheckpointError naming the key and the value.
+    ``kind`` (``true`` is not a number) is a CheckpointError naming the key and the value.
     """
     for k in (key,) + aliases:
         if config.get(k) is not None:
@@ -143,11 +149,13 @@ def require(config: Mapping, key: str, source: str, *aliases: str, kind=int, def
         raise CheckpointError(f"{source}: required attribute {key!r}{also} is missing")
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{source}: {key}={value!r} must be a positive integer")
+            raise CheckpointError(f"{source}: {key}={short_repr(value)} must be a positive integer")
     elif kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-            raise CheckpointError(f"{source}: {key}={value!r} must be a positive number")
+            raise CheckpointError(f"{source}: {key}={short_repr(value)} must be a positive finite number")
         value = float(value)
+    if maximum is not None and value > maximum:
+        raise CheckpointError(f"{source}: {key}={value!r} is too large (at most {maximum})")
     return value
 
 
@@ -210,7 +218,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 
 def tokenizer_folder(folder: str) -> Optional[str]:
-    """The folder itself when it ships tokenizer files (for ``AutoTokenizer``), else None."""
+    """The folder itself when it ships tokenizer files, else None. A ``tokenizer.json`` is
+    run by ``tokenizers`` directly (:func:`powerlens.models.embed.folder_tokenizer`); the
+    other files are read by transformers' ``AutoTokenizer``."""
     return folder if any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES) else None
 
 

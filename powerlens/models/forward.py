@@ -1,18 +1,34 @@
-"""The model's own forward pass (rule ``full``) and what Hugging Face calls hidden states.
+"""The model's own forward pass (rule ``full``), its hidden states and its logits.
 
-    hidden_states(model, x0, valid) -> "float[K+1 B n d]": hs[0] = x0, hs[k] = the state after
-        the k-th recorded block (``info.hidden_state_steps``), with the final norm applied
-        to the last one where Hugging Face does (GPT-2, GPT-Neo, Llama).
-    logits(model, h) -> "float[B n V]" for decoders: final norm (unless already applied) then the
-        LM head (tied to the word embeddings when ``lm_head`` is None), plus ``lm_head_bias`` if any,
-        then Gemma 2's final soft-capping z -> c tanh(z / c) when ``info.final_logit_softcap`` = c.
+One convention for every state powerlens hands out: a state is the residual stream, the
+output of a block, *before* the model's final norm. :func:`logits` applies the final norm
+and the LM head to such a state, so the obvious calls give the model's logits::
+
+    hs = hidden_states(model, x0, valid)          # HiddenStates, hs[k] "float[B n d]"
+    logits(model, hs[-1])                         # = transformers' logits
+    logits(model, run_states(model, x0, valid)[-1])   # the same numbers
+    logits(model, hs)                             # the same, from the normed state hs kept
+
+Hugging Face's ``hidden_states`` tuple records the last state *after* the final norm in
+some families (GPT-2, GPT-Neo, Llama, Mistral, Qwen, Gemma: ``info.final_norm_in_hidden_states``);
+:attr:`HiddenStates.hf` is that tuple as one array, for comparisons with transformers.
+
+    hidden_states(model, x0, valid) -> HiddenStates: states "float[K+1 B n d]", x0 first, then
+        the state after the k-th recorded block (``info.hidden_state_steps``), and the final-normed
+        last state "float[B n d]".
+    logits(model, h) -> "float[... V]": final norm, then the LM head (tied to the word embeddings
+        when ``lm_head`` is None), plus ``lm_head_bias`` if any, then Gemma 2's final
+        soft-capping z -> c tanh(z / c) when ``info.final_logit_softcap`` = c.
 """
 from __future__ import annotations
 
 import functools
+from typing import Iterator, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from ..dynamics.norms import apply_norm
 from ..dynamics.run import run_batch
@@ -34,7 +50,9 @@ def _norm(h, scale, bias, *, kind, eps):
 
 def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: str = "full",
                attention: str = "softmax", keep_bias=None) -> "float[T+1 B n d]":
-    """All states of the model's schedule under ``rule``, x_0 first: "float[T+1 B n d]".
+    """All states of the model's schedule under ``rule``, x_0 first: "float[T+1 B n d]"
+    (the residual stream: no final norm, so ``logits(model, run_states(...)[-1])`` are the
+    model's logits under rule ``full``).
 
     States only (the ``states()`` observer of :func:`powerlens.dynamics.run`, no measures),
     so it compiles and runs fast; x0 "float[B n d]" or "float[n d]", valid "bool[B n]" or "bool[n]".
@@ -43,22 +61,72 @@ def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: st
                      observe=("states",), steps_first=True)["states"]
 
 
-def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> "float[K+1 B n d]":
-    """Hugging Face's ``hidden_states`` tuple as one array "float[K+1 B n d]"."""
+@struct.dataclass
+class HiddenStates:
+    """A model's hidden states at Hugging Face's recording points, the last one marked.
+
+    Indexing reads the residual stream: ``hs[k]`` is ``hs.states[k]``, so
+    ``logits(model, hs[-1])`` are the model's logits. ``len(hs)`` is K+1, ``np.asarray(hs)``
+    is ``hs.states`` and iterating yields its K+1 states.
+
+    Attributes:
+      states: "float[K+1 B n d]" hs[0] = x0 (the embedding output), hs[k] the state after the
+        k-th recorded block; never the final norm.
+      normed: "float[B n d]" the final norm of the last state, what the LM head reads (the last
+        state itself when the model has no final norm).
+      final_norm_in_hf: static: whether transformers' ``hidden_states[-1]`` is ``normed``
+        (``info.final_norm_in_hidden_states``) rather than ``states[-1]``.
+    """
+
+    states: jax.Array
+    normed: jax.Array
+    final_norm_in_hf: bool = struct.field(pytree_node=False, default=False)
+
+    def __getitem__(self, k):
+        return self.states[k]
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    def __iter__(self) -> Iterator[jax.Array]:
+        return (self.states[k] for k in range(len(self)))
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.states, dtype)
+
+    @property
+    def hf(self) -> jax.Array:
+        """transformers' ``hidden_states`` tuple as one array "float[K+1 B n d]": ``states`` with
+        the last entry replaced by ``normed`` where transformers records it normed."""
+        return self.states.at[-1].set(self.normed) if self.final_norm_in_hf else self.states
+
+
+def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> HiddenStates:
+    """The states of rule ``full`` at Hugging Face's recording points, as a :class:`HiddenStates`
+    (``hs[k]``: the residual stream after the k-th recorded block, "float[B n d]"; ``hs.hf``:
+    transformers' own tuple as one array)."""
     states = run_states(model, x0, valid)
     steps = model.info.hidden_state_steps if model.info and model.info.hidden_state_steps else None
     if steps is not None:
         states = states[jnp.asarray((0,) + tuple(steps))]
-    if model.info is not None and model.info.final_norm_in_hidden_states:
-        states = states.at[-1].set(final_norm(model, states[-1]))
-    return states
+    in_hf = bool(model.info is not None and model.info.final_norm_in_hidden_states)
+    return HiddenStates(states=states, normed=final_norm(model, states[-1]), final_norm_in_hf=in_hf)
 
 
-def logits(model: Model, h: "float[B n d]", *, normed: bool = False) -> "float[B n V]":
-    """Next-token logits "float[B n V]" from the last hidden state h "float[B n d]"."""
+def logits(model: Model, h: Union["float[... d]", HiddenStates]) -> "float[... V]":
+    """Next-token logits "float[... V]" of a state h "float[... d]" of the residual stream (a
+    block's output, before the final norm: ``hidden_states(...)[-1]``, ``run_states(...)[-1]``,
+    any token or slice of them), or of a :class:`HiddenStates` (its ``normed`` last state):
+    the final norm, then the LM head."""
+    W = model.lm_head if model.lm_head is not None else model.embeddings["word"]
+    normed = isinstance(h, HiddenStates)
+    h = h.normed if normed else jnp.asarray(h)
+    if h.ndim == 0 or h.shape[-1] != W.shape[-1]:
+        raise ValueError(f"logits: the state has shape {tuple(h.shape)}, width {h.shape[-1] if h.ndim else 0}; the "
+                         f"model's LM head reads width {W.shape[-1]}: pass a state of the residual stream, e.g. "
+                         f"hidden_states(...)[-1]")
     if not normed:
         h = final_norm(model, h)
-    W = model.lm_head if model.lm_head is not None else model.embeddings["word"]
     cap = model.info.final_logit_softcap if model.info is not None else None
     return _head(h, W, model.lm_head_bias, cap=cap)
 

@@ -46,7 +46,7 @@ from typing import List, Tuple
 import numpy as np
 
 from .base import Model, register
-from .convert import check_config, config_file, require, short_repr
+from .convert import WINDOW_MAX, check_config, config_file, require, short_repr
 from .layout import LINEAR, declare_output_layout
 from .llama import ATTENTION_BIASES, LLAMA_HANDLED, QK_NORMS, SANDWICH_NORMS, convert_hf_llama
 from .mistral_qwen import layer_types, windows_from_types
@@ -105,7 +105,7 @@ def _window(config: dict, src: str):
     sliding_attention layer is an error, see :func:`windows_from_types`)."""
     if "sliding_window" in config and config["sliding_window"] is None:
         return None
-    return require(config, "sliding_window", src, default=4096)
+    return require(config, "sliding_window", src, default=4096, maximum=WINDOW_MAX)
 
 
 def _gemma_windows(config: dict, L: int, src: str, default_types: List[str]) -> List[int]:

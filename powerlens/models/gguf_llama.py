@@ -83,7 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .base import Model
-from .convert import Stack, check_layer_count, short_repr, to_device
+from .convert import WINDOW_MAX, Stack, check_layer_count, short_repr, to_device
 from .llama import QK_NORMS, SANDWICH_NORMS, Sizes, check_rope_head_size, llama_info, llama_model, llama_shapes
 from .gguf_tokenizer import gguf_tokenizer, remember_tokenizer  # noqa: F401  (gguf_tokenizer re-exported)
 from .reader import CheckpointError, aligned_empty, one_line
@@ -205,12 +205,15 @@ class GGUFFile:
         except Exception as exc:
             raise CheckpointError(f"{self.path}: cannot read GGUF metadata key {key!r} ({one_line(exc)})") from exc
 
-    def meta_int(self, key: str, default=None, *, minimum: int = 1) -> int:
-        """An integer metadata value >= ``minimum`` (required when ``default`` is None)."""
+    def meta_int(self, key: str, default=None, *, minimum: int = 1, maximum: Optional[int] = None) -> int:
+        """An integer metadata value >= ``minimum`` (and <= ``maximum`` when given; required when
+        ``default`` is None)."""
         value = self.meta(key, default, required=default is None)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
             raise CheckpointError(f"{self.path}: GGUF metadata {key}={short_repr(value)} "
                                   f"must be an integer >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise CheckpointError(f"{self.path}: GGUF metadata {key}={int(value)} is too large (at most {maximum})")
         return int(value)
 
     def meta_float(self, key: str, default=None) -> float:
@@ -443,7 +446,7 @@ def swa_windows(f: GGUFFile, arch: str, spec: GGUFArchitecture, L: int) -> List[
     local (window ``{arch}.attention.sliding_window``, required) otherwise; else all global."""
     if not spec.swa_pattern:
         return [0] * L
-    window = f.meta_int(f"{arch}.attention.sliding_window")
+    window = f.meta_int(f"{arch}.attention.sliding_window", maximum=WINDOW_MAX)
     return [0 if (i + 1) % spec.swa_pattern == 0 else window for i in range(L)]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Model, register
-from .convert import Stack, require
+from .convert import WINDOW_MAX, Stack, require
 from .gpt2 import DECODER_HANDLED, SUMMARY_HEAD, decoder_config, pre_ln_decoder
 from .layout import LINEAR
 from .reader import CheckpointError
@@ -82,7 +82,7 @@ def convert_gpt_neo(config: dict, reader, dtype, name: str) -> Model:
     src, (d, H, e, L, P, V, f, act, eps) = decoder_config(config, reader, "gpt_neo", GPT_NEO_HANDLED,
                                                           GPT_NEO_NEUTRAL, **GPT_NEO_SIZES)
     kinds = attention_layers(config, L, src)
-    window_size = require(config, "window_size", src, default=256) if "local" in kinds else 0
+    window_size = require(config, "window_size", src, default=256, maximum=WINDOW_MAX) if "local" in kinds else 0
     window = np.array([window_size if k == "local" else 0 for k in kinds], np.int32)
 
     st = Stack(L, dtype, {

@@ -35,7 +35,7 @@ import numpy as np
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
-                      require, require_all, tokenizer_folder)
+                      require, require_all, short_repr, tokenizer_folder)
 from .layout import LINEAR
 from .reader import CheckpointError
 
@@ -104,17 +104,23 @@ def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_
 
 
 def rope_theta(config: dict, source: str) -> float:
-    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta``; rejects scaled RoPE."""
+    """RoPE base from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` (default 10000):
+    a positive finite number (``true``, a string, 0, NaN, inf or a negative base is an error
+    naming the file and the key, never a cast); rejects scaled RoPE."""
     params = config.get("rope_parameters") or {}
     for key, spec in (("rope_scaling", config.get("rope_scaling")), ("rope_parameters", params)):
+        if spec and not isinstance(spec, dict):
+            raise CheckpointError(f"{source}: {key}={short_repr(spec)} must be a mapping")
         if spec:
             kind = spec.get("rope_type", spec.get("type", "default"))
             if kind not in (None, "default"):
                 raise CheckpointError(
                     f"{source}: {key} with rope_type={kind!r} is not supported (only plain RoPE, "
                     f"rope_type 'default'); {key}={spec!r}")
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    return float(theta)
+    if params.get("rope_theta") is not None:
+        return require({"rope_parameters.rope_theta": params["rope_theta"]}, "rope_parameters.rope_theta", source,
+                       kind=float)
+    return require(config, "rope_theta", source, kind=float, default=10000.0)
 
 
 def check_rope_head_size(e: int, source: str, key: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import List
 
 from .base import Model, register
-from .convert import check_config, config_file, require, short_repr
+from .convert import WINDOW_MAX, check_config, config_file, require, short_repr
 from .layout import LINEAR
 from .llama import LLAMA_HANDLED, convert_hf_llama
 from .reader import CheckpointError
@@ -53,8 +53,9 @@ def layer_types(config: dict, L: int, src: str):
 
 
 def sliding_window(config: dict, src: str):
-    """``sliding_window`` as a positive int, or None when null."""
-    return require(config, "sliding_window", src, default=None)
+    """``sliding_window`` as a positive int that fits a window (:data:`~powerlens.models.convert.WINDOW_MAX`),
+    or None when null."""
+    return require(config, "sliding_window", src, default=None, maximum=WINDOW_MAX)
 
 
 def windows_from_types(types: List[str], window, src: str) -> List[int]:

@@ -15,7 +15,7 @@ Keys (H heads, e = d_head, d = width, L layers; the layer axis is optional):
     causal ()                             optional bool, or a 0/1 integer (default False)
 
 Types are checked, never cast: the weights are real (float or integer) arrays, ``window``
-holds integers >= 0; complex, bool, string and object arrays are refused by name. Every
+holds integers in [0, 2**31 - 1]; complex, bool, string and object arrays are refused by name. Every
 array's header is read first, and one that declares more than the memory available or
 than the file holds is refused before anything is read.
 
@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
+from .convert import WINDOW_MAX
 from .reader import CheckpointError, check_allocation, human_bytes, one_line
 
 _PER_HEAD = ("W_q", "W_k", "W_v")
@@ -113,9 +114,16 @@ def _causal(path: str, data: Dict[str, np.ndarray]) -> bool:
 
 
 def _check_window(path: str, window: Optional[np.ndarray]) -> None:
-    if window is not None and window.size and int(window.min()) < 0:
+    """``window``: integers in [0, :data:`~powerlens.models.convert.WINDOW_MAX`] (windows are
+    int32: a larger value would wrap around, 2**32 + 3 to 3, never be cast)."""
+    if window is None or not window.size:
+        return
+    if int(window.min()) < 0:
         raise CheckpointError(f"{path}: key 'window' has the value {int(window.min())}; a local window is a "
                               f"number of keys >= 0 (0 = global attention)")
+    if int(window.max()) > WINDOW_MAX:
+        raise CheckpointError(f"{path}: key 'window' has the value {int(window.max())}, too large for a window "
+                              f"(at most {WINDOW_MAX}; 0 = global attention)")
 
 
 def _as_float(path: str, key: str, a: Optional[np.ndarray], dtype) -> Optional[np.ndarray]:

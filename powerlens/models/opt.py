@@ -28,7 +28,7 @@ lives in the d-wide residual stream::
     embeddings['word'] = word · P_inᵀ   (V, d)        lm_head = W_head · P_out   (V, d)
 
 **What powerlens reports as OPT's last hidden state.** The states are the d-wide residual
-stream. ``hidden_states(model, …)[k]`` equals HF's ``hidden_states[k]`` for every k < L; the last
+stream. ``hidden_states(model, …).hf[k]`` equals HF's ``hidden_states[k]`` for every k < L; the last
 one is the residual stream after the final LayerNorm (if any), *before* ``project_out`` —
 1024 wide for opt-350m, where HF's last hidden state is ``P_out`` times it (512 wide).
 ``logits`` reads that state through the folded head W_head · P_out, so the logits are HF's.

@@ -35,8 +35,8 @@ g(h) = h // (H/G).
 from __future__ import annotations
 
 from .base import Model, register
-from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
-                      require, short_repr, tokenizer_folder, to_device)
+from .convert import (WINDOW_MAX, Stack, activation, check_config, check_layer_count, config_file, lm_head,
+                      read_tensors, require, short_repr, tokenizer_folder, to_device)
 from .gpt_neox import decoder_model, flag, partial_rotary
 from .layout import LINEAR
 from .llama import GLU_ACTIVATIONS, HF_TENSORS, hf_sizes, llama_info, llama_shapes
@@ -110,7 +110,7 @@ def convert_phi(config: dict, reader, dtype, name: str) -> Model:
 
 def phi3_window(config: dict, src: str) -> int:
     """The window of every Phi-3 layer: ``sliding_window`` when set (Phi3Model applies it), else 0."""
-    return require(config, "sliding_window", src, default=0)
+    return require(config, "sliding_window", src, default=0, maximum=WINDOW_MAX)
 
 
 @register("phi3", output_layout=LINEAR)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -88,33 +87,29 @@ def settings_difference(old: dict, new: dict) -> str:
     return ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k))
 
 
+FILES = ("results.json", "report.md", "report.html")            # what a finished run writes ...
+FOLDERS = {".chunks": "*/*.json", "figures": "*.png"}           # ... beside its chunks (one folder per settings)
+
+
+def _settings_difference(old: dict, new: dict) -> str:
+    difference = settings_difference(old, new)
+    return f"a reproduce run with other settings ({difference})" if difference else ""
+
+
 def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
     """Make ``out`` ready to resume into (call with the folder lock held).
 
-    A folder of a ``reproduce`` run with the same settings is resumed; one written with
-    other settings, by another command, or not by powerlens at all is refused, naming the
-    difference, unless ``overwrite``, which empties it first. Runs with different settings
-    therefore never mix their files.
+    The rule is :func:`powerlens.io.decide_folder`'s: a folder of a ``reproduce`` run with the
+    same settings is resumed; one written with other settings or by another command is refused,
+    naming the difference, unless ``overwrite``, which first removes what powerlens wrote there;
+    one holding anything powerlens did not write is refused either way. Runs with different
+    settings therefore never mix their files.
     """
-    state = io.folder_state(out)
-    problem = None
-    if state == "foreign":
-        problem = "the folder is not empty and was not written by powerlens"
-    elif state == "ours":
-        marker = io.read_marker(out)
-        if marker.get("command") != "reproduce":
-            problem = f"the folder holds the output of `powerlens {marker.get('command')}`"
-        elif marker.get("settings") != settings:
-            problem = f"the folder holds a reproduce run with other settings ({settings_difference(marker.get('settings') or {}, settings)})"
-    if problem and not overwrite:
-        raise ValueError(f"--out {out}: {problem}; pass --overwrite to start afresh, or choose another folder")
-    if problem:
-        shutil.rmtree(out)
-    try:
-        os.makedirs(out, exist_ok=True)
-        io.write_marker(out, "reproduce", settings)
-    except OSError as exc:
-        raise ValueError(f"--out {out}: cannot write there ({exc.strerror})") from None
+    action = io.decide_folder(out, command="reproduce", settings=settings, overwrite=overwrite,
+                              resume=_settings_difference)
+    if action == "replace":
+        io.remove_owned(out)
+    io.mark_resumable(out, "reproduce", settings, files=FILES, folders=FOLDERS)
 
 
 def cmd_reproduce(args) -> int:
@@ -122,7 +117,7 @@ def cmd_reproduce(args) -> int:
                 "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
     from .workers import check_jobs
     args.jobs = check_jobs(getattr(args, "jobs", None))
-    out = io.check_out_path(args.out)
+    out = io.check_out_path(args.out, command="reproduce")
     with io.folder_lock(out):
         prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))
         return _reproduce_into(out, settings, args)

@@ -97,9 +97,8 @@ def section_layer_varying(ctx) -> SectionResult:
             e = entry[rule]     # read back from the JSON chunk store
             measures = {o: StepMeasures.from_rows(e[o]["steps"], e["n_tokens"]) for o in ("shifted", "plain")}
             kinds = e.get("kinds")
-            marks = {"global attention": [t + 1 for t, k in enumerate(kinds) if k == "global"]} \
-                if kinds and "local" in kinds else None
-            figs.append(plot_measures(measures, ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"), xlabel="layer t",
+            marks = {"global attention": global_layers(kinds)} if kinds and "local" in kinds else None
+            figs.append(plot_measures(measures, ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"), over="layers",
                                       title=f"{name}: rule {e['rule']} ({e['n_tokens']} tokens)"
                                             + ("; shaded: global layers, the others local" if marks else ""),
                                       marks=marks))
@@ -159,6 +158,12 @@ def section_layer_varying(ctx) -> SectionResult:
                          "In layer-varying models the alignment γ_t with the current layer's v1 is positive but weak, "
                          "while ρ_t, the share of tokens whose alignment grows, is consistently above 0.5.",
                          verdict_from(checks), summary, numbers, figs, tables)
+
+
+def global_layers(kinds: List[str]) -> List[int]:
+    """The layers (numbered from 0, as the figures' x axes) whose attention is global, from the
+    ``kinds`` of :func:`attention_kinds` (Gemma 3 270M: 5, 11, 17)."""
+    return [t for t, k in enumerate(kinds) if k == "global"]
 
 
 def attention_kinds(model, texts) -> dict:
@@ -339,12 +344,12 @@ def section_ffn(ctx) -> SectionResult:
         (key, compute), = ffn_chunks(ctx, name)
         entry = ctx.model_chunk(name, key, compute)
         L = len(entry["paper"]["gamma"])
-        figs.append(plots.plot_curve(np.arange(1, L + 1), {
+        figs.append(plots.plot_curve(np.arange(L), {                      # layers from 0
             "paper (N2, no FFN)": np.array(entry["paper"]["gamma"], float),
             f"{entry['faithful']['rule']} (no FFN)": np.array(entry["faithful"]["gamma"], float),
             "full block (FFN)": np.array(entry["full"]["gamma"], float),
             "chance": np.array(entry["paper"]["chance"], float)}, ctx.fig(f"s8_{name}.png"),
-            xlabel="layer t", ylabel="γ_t (shifted)", title=f"{name}: what the FFN changes"))
+            xlabel="layer", ylabel="γ_t (shifted)", title=f"{name}: what the FFN changes"))
         g = {r: np.array(entry[r]["gamma"], float) for r in entry}
         ch = np.array(entry["paper"]["chance"], float) + np.array(entry["paper"]["band"], float)
         rows.append({"model": name, "mean_gamma_paper": float(g["paper"].mean()),

@@ -1,13 +1,14 @@
 """Steering the last layer toward a chosen direction u (design.md §4).
 
     rank1(layers, u, alpha=, w=)           closed form O' = O + alpha u w^T, spectra before/after
+    layer_w_choice(layers, w='auto')       which closed-form w a layer gets ('inverse' needs full-rank V_cat)
     minimal_alpha(layers, u, x0)           smallest alpha: (a) u principal, (b) every token aligned
     optimize_steering(layers, x0, U)       optax, vmapped over directions: min ||dO|| s.t. alignment
     output_effects(model, u, dO, prompts)  before / rank-1 / activation addition on the outputs
     parse_direction('token:WORD'|'f.npy'|'random', model=)
 """
 from .directions import Direction, as_direction, parse_direction, random_direction, token_direction, unembedding_matrix
-from .rank1 import Rank1Result, checkpoint_delta, choose_w, rank1, steer_layers
+from .rank1 import Rank1Result, WChoice, checkpoint_delta, choose_w, layer_w_choice, rank1, resolve_w, steer_layers
 from .alpha import (AlignmentAlpha, MinimalAlpha, PrincipalAlpha, alignment_alpha, entering_states, minimal_alpha,
                     principal_alpha)
 from .optimize import SteeringResult, optimize_steering
@@ -15,7 +16,7 @@ from .effects import forward_final, output_effects, steered_model
 
 __all__ = [
     "Direction", "as_direction", "parse_direction", "random_direction", "token_direction", "unembedding_matrix",
-    "Rank1Result", "checkpoint_delta", "choose_w", "rank1", "steer_layers",
+    "Rank1Result", "WChoice", "checkpoint_delta", "choose_w", "layer_w_choice", "rank1", "resolve_w", "steer_layers",
     "AlignmentAlpha", "MinimalAlpha", "PrincipalAlpha", "alignment_alpha", "entering_states", "minimal_alpha",
     "principal_alpha", "SteeringResult", "optimize_steering", "forward_final", "output_effects", "steered_model",
 ]

@@ -60,7 +60,7 @@ from ..dynamics.layer import attention_output
 from ..dynamics.params import Layers
 from ..dynamics.run import run_batch
 from .directions import as_direction
-from .rank1 import choose_w, host_factors, host_matrices, layer_index
+from .rank1 import choose_w, host_factors, host_matrices, layer_index, layer_w_choice
 
 
 def check_target(c, name: str = "target alignment") -> float:
@@ -165,7 +165,7 @@ def _factored_predicate(A, B, u, z, cos_tol, gap_rtol):
     return predicate
 
 
-def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
+def principal_alpha(layers: Layers, u, *, w: Union[str, np.ndarray] = "auto", layer: int = -1,
                     cos_tol: float = 0.95, gap_rtol: float = 1e-9, rtol: float = 1e-7,
                     grid: int = 28) -> PrincipalAlpha:
     """(a): the smallest alpha making u's direction principal in the shifted ordering.
@@ -303,7 +303,7 @@ class AlignmentAlpha:
 
 
 def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
-                    w: Union[str, np.ndarray] = "inverse", layer: int = -1, keep_bias: bool = False,
+                    w: Union[str, np.ndarray] = "auto", layer: int = -1, keep_bias: bool = False,
                     attention: str = "softmax", positions=None, signed: bool = True) -> AlignmentAlpha:
     """(b) for the ``paper`` rule: exact alpha from the one-step relation (module docstring).
 
@@ -377,7 +377,7 @@ class MinimalAlpha:
 
 
 def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.99,
-                  w: Union[str, np.ndarray] = "inverse", layer: int = -1, cos_tol: float = 0.95,
+                  w: Union[str, np.ndarray] = "auto", layer: int = -1, cos_tol: float = 0.95,
                   keep_bias: bool = False, attention: str = "softmax", positions=None,
                   signed: bool = True) -> MinimalAlpha:
     """Both minimal alphas: (a) spectral, (b) one-step alignment of every token (``paper`` rule).
@@ -386,6 +386,8 @@ def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.9
     unsteered under ``paper`` to get the tokens entering it. The steered unique layer must
     be applied exactly once. Without x0 only (a) is computed.
     """
+    if isinstance(w, str) and w == "auto":
+        w = layer_w_choice(layers, w, layer).kind
     principal = principal_alpha(layers, u, w=w, layer=layer, cos_tol=cos_tol)
     if x0 is None:
         return MinimalAlpha(principal, None)

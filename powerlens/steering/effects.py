@@ -107,13 +107,14 @@ def _cos_stats(h, valid, u):
             "pooled_cos": pooled_cos.tolist(), "pooled_cos_mean": float(pooled_cos.mean())}
 
 
-def _token_strings(model, ids):
-    try:
-        from ..models.embed import tokenizer
-        tok = tokenizer(model)
-        return [tok.decode([int(i)]) for i in ids]
-    except Exception:  # noqa: BLE001 - no tokenizer: report ids only
-        return [str(int(i)) for i in ids]
+def _top_k(model, logits, p, k: int) -> list:
+    """The k most probable next tokens of each prompt (logits "float[B V]", their probabilities
+    p), as JSON rows {id, token, prob} (:func:`~powerlens.models.tokens.top_tokens`); a model
+    without a tokenizer names its tokens by their ids."""
+    from ..models.tokens import top_tokens
+    if model.info is not None and model.info.tokenizer is not None:
+        return [[{"id": t.id, "token": t.text, "prob": t.prob} for t in row] for row in top_tokens(model, logits, k)]
+    return [[{"id": int(i), "token": str(int(i)), "prob": float(row[i])} for i in np.argsort(-row)[:k]] for row in p]
 
 
 def _log_softmax(logits):
@@ -126,13 +127,9 @@ def next_token_stats(model, h, valid, *, target_id: Optional[int] = None, k: int
     v = np.asarray(valid, bool)
     last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
     hl = jnp.asarray(h)[jnp.arange(h.shape[0]), jnp.asarray(last)]          # (B, d)
-    logp = _log_softmax(model_logits(model, hl[:, None])[:, 0])            # (B, V)
-    p = np.exp(logp)
-    out = {"topk": [], "target_prob": None}
-    for b in range(p.shape[0]):
-        ids = np.argsort(-p[b])[:k]
-        out["topk"].append([{"id": int(i), "token": s, "prob": float(p[b, i])}
-                            for i, s in zip(ids, _token_strings(model, ids))])
+    lg = model_logits(model, hl)                                           # (B, V)
+    p = np.exp(_log_softmax(lg))
+    out = {"topk": _top_k(model, lg, p, k), "target_prob": None}
     if target_id is not None:
         out["target_prob"] = p[:, int(target_id)].tolist()
         out["target_prob_mean"] = float(p[:, int(target_id)].mean())

@@ -24,7 +24,8 @@ N = ||delta_O||_F^2 / n0^2::
 Adam's step size follows a cosine decay from ``lr`` to ``0.05 lr`` over the steps (the
 norm shrinks by large factors, so a constant step becomes too large late in the run).
 
-Initialisation is the closed form at the target: w_cf ("inverse" = pinv(V^T) u or "value"),
+Initialisation is the closed form at the target: w_cf ("inverse" = pinv(V^T) u or "value";
+"auto" picks "inverse" where V_cat has full column rank, see :func:`~.rank1.resolve_w`),
 alpha_cf found by bisection on log alpha so that a(alpha_cf u w_cf^T) = target (a is
 assumed increasing in alpha along that ray); n0 = ||alpha_cf u w_cf^T||_F, the closed
 form's norm at equal alignment, which the result is compared with. The best feasible
@@ -43,7 +44,6 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ..dynamics.layer import check_rule, default_keep_bias
 from ..dynamics.observers import final
@@ -51,9 +51,11 @@ from ..dynamics.params import Layers
 from ..dynamics.run import run
 from .alpha import check_target, entering_states, steered_steps
 from .directions import as_direction
-from .rank1 import host_matrices, inverse_map, layer_index
+from .lagrangian import bisect_increasing, constrained_adam
+from .rank1 import W_CHOICES, host_matrices, inverse_map, layer_index, rank_tolerance, resolve_w
 
 PARAMS = ("w_alpha", "lowrank")
+OBJECTIVES = ("alignment", "token")
 REDUCTIONS = ("mean", "min")
 
 
@@ -105,6 +107,81 @@ def _delta_sq(params, param):
     return jnp.sum(jnp.sum(P[:, :, None] * P[:, None, :], axis=0) * jnp.sum(Q[:, :, None] * Q[:, None, :], axis=0))
 
 
+def _paper_last_layer(pm, u, valid, reduce, signed, dtype):
+    """The closed-form alignment of a last, paper-rule steered layer (see :func:`solve_one`):
+    (along_u(scale, w), align_lowrank(params, n0), reduced coordinates or None).
+
+    ``reduced`` holds the bases of the reduced problem (``lowrank`` only): Bp0, Bm, q_hat,
+    u_red."""
+    p_out, m_mix = pm["p"], pm["m"]
+    pu = p_out @ u                                   # (B, n)
+    pp = jnp.sum(p_out * p_out, axis=-1)             # (B, n)
+    Bp0, Bm = pm["Bp"], pm["Bm"]
+    c_u = Bp0.T @ u                                  # u = Bp0 c_u + q, q orthogonal to every p_i
+    q = u - Bp0 @ c_u
+    nq = jnp.linalg.norm(q)
+    q_hat = jnp.where(nq > 1e-6, q / jnp.where(nq > 1e-6, nq, 1.0), 0.0)
+    p_red = jnp.concatenate([p_out @ Bp0, jnp.zeros(p_out.shape[:-1] + (1,), dtype)], axis=-1)
+    m_red, u_red = m_mix @ Bm, jnp.concatenate([c_u, nq[None]])
+
+    def align_cos(yu, yy):
+        cos = yu / jnp.sqrt(yy)
+        return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
+
+    def along_u(scale, w):
+        """Final cos for the change scale (w.m) u: y.u and ||y||^2 in closed form."""
+        c = scale * (m_mix @ w)                      # (B, n)
+        return align_cos(pu + c, pp + 2.0 * c * pu + c * c)
+
+    def align_lowrank(prm, n0):
+        """y = p + n0 P (Q^T m), P = Bp P~, Q = Bm Q~: y.u and ||y||^2 from (B, n, r) products."""
+        # the small contractions are written elementwise: under vmap over directions a
+        # batched (K, r, r) dot would become K tiny GEMMs on a CPU
+        a = n0 * (m_red @ prm["Q"])                  # (B, n, r): one GEMM over directions
+        P_ = prm["P"]
+        Pu = jnp.sum(P_ * u_red[:, None], axis=0)                      # (r,)
+        G = jnp.sum(P_[:, :, None] * P_[:, None, :], axis=0)           # (r, r) = P^T P
+        yu = pu + jnp.sum(a * Pu, axis=-1)
+        aG = jnp.sum(a[..., :, None] * G, axis=-2)
+        yy = pp + 2.0 * jnp.sum(a * (p_red @ P_), axis=-1) + jnp.sum(aG * a, axis=-1)
+        return align_cos(yu, yy)
+
+    reduced = {"Bp0": Bp0, "Bm": Bm, "q_hat": q_hat, "u_red": u_red}
+    return along_u, align_lowrank, reduced
+
+
+def closed_form_start(ray, target, dtype, bisect_iters: int):
+    """Bisection on log alpha in [-14, 14] along the closed-form ray (``ray(log_alpha)`` the
+    alignment, assumed increasing): (log alpha_cf, whether the ray reaches ``target`` at all)."""
+    lo0, hi0 = jnp.asarray(-14.0, dtype), jnp.asarray(14.0, dtype)
+    _, log_cf = bisect_increasing(lambda mid: ray(mid) >= target, lo0, hi0, bisect_iters)
+    return log_cf, ray(hi0) >= target
+
+
+def initial_params(param: str, n0, w_hat, u0, rank: int, key, dtype) -> dict:
+    """The closed form as a starting point: {a = log n0, w = w_hat} (``w_alpha``), or P, Q whose
+    first columns are u0 and w_hat and whose others are small noise (``lowrank``, dO = n0 P Q^T)."""
+    if param == "w_alpha":
+        return {"a": jnp.log(n0), "w": w_hat}
+    d, He = u0.shape[0], w_hat.shape[0]
+    k1, k2 = jax.random.split(key)
+    P = 1e-2 * jax.random.normal(k1, (d, rank), dtype) / np.sqrt(d)
+    Q = 1e-2 * jax.random.normal(k2, (He, rank), dtype) / np.sqrt(He)
+    return {"P": P.at[:, 0].set(u0), "Q": Q.at[:, 0].set(w_hat)}
+
+
+def edit_factors(params, u, n0, param: str):
+    """dO = factor_P factor_Q^T of a parameterisation: "(d, r)", "(H e, r)"."""
+    if param == "w_alpha":
+        return (jnp.exp(params["a"]) * u)[:, None], params["w"][:, None]
+    return n0 * params["P"], params["Q"]
+
+
+def factor_norm(fP, fQ):
+    """||fP fQ^T||_F = sqrt(trace(fP^T fP fQ^T fQ)) without forming the product."""
+    return jnp.sqrt(jnp.sum((fP.T @ fP) * (fQ.T @ fQ)))
+
+
 def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Sequence[int],
               rule: str, attention: str,
               keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
@@ -128,131 +205,51 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
     w_cf = R @ u
     if w_kind == "value":
         w_cf = w_cf / jnp.linalg.norm(w_cf)
-    reduced = pm is not None and param == "lowrank"
+    reduced = None
     if pm is not None:
-        p_out, m_mix = pm["p"], pm["m"]
-        pu = p_out @ u                                   # (B, n)
-        pp = jnp.sum(p_out * p_out, axis=-1)             # (B, n)
-        if reduced:   # coordinates in span(rows of p, u) (left) and span(rows of m) (right)
-            Bp0, Bm = pm["Bp"], pm["Bm"]
-            c_u = Bp0.T @ u                              # u = Bp0 c_u + q, q orthogonal to every p_i
-            q = u - Bp0 @ c_u
-            nq = jnp.linalg.norm(q)
-            q_hat = jnp.where(nq > 1e-6, q / jnp.where(nq > 1e-6, nq, 1.0), 0.0)
-            p_red = jnp.concatenate([p_out @ Bp0, jnp.zeros(p_out.shape[:-1] + (1,), dtype)], axis=-1)
-            m_red, u_red = m_mix @ Bm, jnp.concatenate([c_u, nq[None]])
-
-        def align_cos(yu, yy):
-            cos = yu / jnp.sqrt(yy)
-            return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
-
-        def along_u(scale, w):
-            """Final cos for the change scale (w.m) u: y.u and ||y||^2 in closed form."""
-            c = scale * (m_mix @ w)                      # (B, n)
-            return align_cos(pu + c, pp + 2.0 * c * pu + c * c)
-
-        def align_lowrank(prm, n0):
-            """y = p + n0 P (Q^T m), P = Bp P~, Q = Bm Q~: y.u and ||y||^2 from (B, n, r) products."""
-            # the small contractions are written elementwise: under vmap over directions a
-            # batched (K, r, r) dot would become K tiny GEMMs on a CPU
-            a = n0 * (m_red @ prm["Q"])                  # (B, n, r): one GEMM over directions
-            P_ = prm["P"]
-            Pu = jnp.sum(P_ * u_red[:, None], axis=0)                      # (r,)
-            G = jnp.sum(P_[:, :, None] * P_[:, None, :], axis=0)           # (r, r) = P^T P
-            yu = pu + jnp.sum(a * Pu, axis=-1)
-            aG = jnp.sum(a[..., :, None] * G, axis=-2)
-            yy = pp + 2.0 * jnp.sum(a * (p_red @ P_), axis=-1) + jnp.sum(aG * a, axis=-1)
-            return align_cos(yu, yy)
-
+        along_u, align_lowrank, red = _paper_last_layer(pm, u, valid, reduce, signed, dtype)
+        reduced = red if param == "lowrank" else None
         ray = lambda log_a: along_u(jnp.exp(log_a), w_cf)
-        if param == "w_alpha":
-            align_params = lambda prm, n0: along_u(jnp.exp(prm["a"]), prm["w"])
-        else:
-            align_params = align_lowrank
+        align_params = (lambda prm, n0: along_u(jnp.exp(prm["a"]), prm["w"])) if param == "w_alpha" else align_lowrank
     else:
         align = functools.partial(_alignment, layers, X=X, valid=valid, u=u, layer=layer, tail=tail, rule=rule,
                                   attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
                                   signed=signed)
         ray = lambda log_a: align(jnp.exp(log_a) * jnp.outer(u, w_cf))
         align_params = lambda prm, n0: align(_delta(prm, u, n0, param))
-    # closed form at the target alignment: bisection on log alpha along alpha u w_cf^T
-    lo0, hi0 = jnp.asarray(-14.0, dtype), jnp.asarray(14.0, dtype)
-    cf_feasible = ray(hi0) >= target
-
-    def bis(_, lohi):
-        lo, hi = lohi
-        mid = 0.5 * (lo + hi)
-        ok = ray(mid) >= target
-        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-
-    _, log_cf = jax.lax.fori_loop(0, bisect_iters, bis, (lo0, hi0))
+    log_cf, cf_feasible = closed_form_start(ray, target, dtype, bisect_iters)
     alpha_cf = jnp.exp(log_cf)
     wn = jnp.linalg.norm(w_cf)
     n0 = alpha_cf * wn
     cf_align = ray(log_cf)
     w_hat = w_cf / wn
-    if param == "w_alpha":
-        params = {"a": jnp.log(n0), "w": w_hat}
-    else:
-        u0, w0 = (u_red, Bm.T @ w_hat) if reduced else (u, w_hat)   # same effect on every token
-        d, He = u0.shape[0], w0.shape[0]
-        k1, k2 = jax.random.split(key)
-        P = 1e-2 * jax.random.normal(k1, (d, rank), dtype) / np.sqrt(d)
-        Q = 1e-2 * jax.random.normal(k2, (He, rank), dtype) / np.sqrt(He)
-        params = {"P": P.at[:, 0].set(u0), "Q": Q.at[:, 0].set(w0)}
+    u0, w0 = (reduced["u_red"], reduced["Bm"].T @ w_hat) if reduced is not None else (u, w_hat)
+    params = initial_params(param, n0, w0, u0, rank, key, dtype)    # same effect on every token
 
-    def objective(p, lam):
-        N = _delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
+    def constraints(p):
         a = align_params(p, n0)
-        g = target - a
-        L = N + (jnp.square(jnp.maximum(0.0, lam + mu * g)) - lam * lam) / (2.0 * mu)
-        return L, (a, N)
+        return target - a, a
 
-    opt = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=lr_floor))
-    grad = jax.value_and_grad(objective, has_aux=True)
-
-    def step(carry, i):
-        p, state, lam, best_p, best_N, best_a = carry
-        (_, (a, N)), gr = grad(p, lam)
-        feas = a >= target - tol
-        better = feas & (N < best_N)
-        best_p = jax.tree_util.tree_map(lambda b, q: jnp.where(better, q, b), best_p, p)
-        best_N = jnp.where(better, N, best_N)
-        best_a = jnp.where(better, a, best_a)
-        upd, state = opt.update(gr, state, p)
-        p = optax.apply_updates(p, upd)
-        lam = jnp.where((i + 1) % dual_every == 0, jnp.maximum(0.0, lam + mu * (target - a)), lam)
-        return (p, state, lam, best_p, best_N, best_a), (a, N)
-
-    inf = jnp.asarray(jnp.inf, dtype)
-    carry0 = (params, opt.init(params), jnp.asarray(0.0, dtype), params, inf, -inf)
-    (p, _, lam, best_p, best_N, best_a), (hist_a, hist_N) = jax.lax.scan(step, carry0, jnp.arange(steps))
-    # the last iterate is checked too
-    _, (a_last, N_last) = objective(p, lam)
-    better = (a_last >= target - tol) & (N_last < best_N)
-    best_p = jax.tree_util.tree_map(lambda b, q: jnp.where(better, q, b), best_p, p)
-    best_N = jnp.where(better, N_last, best_N)
-    best_a = jnp.where(better, a_last, best_a)
-    found = jnp.isfinite(best_N)
-    if reduced:   # lift: P = [Bp0, q_hat] P~ (without forming the per-direction basis)
+    size = lambda p: _delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
+    sol = constrained_adam(size, constraints, params, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
+                           lr_floor=lr_floor)
+    best_p = sol["params"]
+    found = jnp.isfinite(sol["size"])
+    if reduced is not None:   # lift: P = [Bp0, q_hat] P~ (without forming the per-direction basis)
         Pr = best_p["P"]
-        best_p = {"P": Bp0 @ Pr[:-1] + q_hat[:, None] * Pr[-1:], "Q": Bm @ best_p["Q"]}
+        best_p = {"P": reduced["Bp0"] @ Pr[:-1] + reduced["q_hat"][:, None] * Pr[-1:], "Q": reduced["Bm"] @ best_p["Q"]}
     # dO = factor_P factor_Q^T, returned as factors: the dense (d, H e) matrix of every
     # direction would dominate the run's memory traffic (SteeringResult.delta_O forms it)
-    if param == "w_alpha":
-        fP, fQ = (jnp.exp(best_p["a"]) * u)[:, None], best_p["w"][:, None]
-    else:
-        fP, fQ = n0 * best_p["P"], best_p["Q"]
-    norm = jnp.sqrt(jnp.sum((fP.T @ fP) * (fQ.T @ fQ)))
+    fP, fQ = edit_factors(best_p, u, n0, param)
     return {
         "factor_P": jnp.where(found, fP, jnp.nan), "factor_Q": jnp.where(found, fQ, jnp.nan),
-        "norm": jnp.where(found, norm, jnp.nan),
-        "alignment": jnp.where(found, best_a, jnp.nan),
+        "norm": jnp.where(found, factor_norm(fP, fQ), jnp.nan),
+        "alignment": jnp.where(found, sol["aux"], jnp.nan),
         "feasible": found,
         "closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
         "closed_feasible": cf_feasible,
-        "multiplier": lam,
-        "history_alignment": hist_a, "history_norm": jnp.sqrt(hist_N) * n0,
+        "multiplier": sol["multiplier"],
+        "history_alignment": sol["history_aux"], "history_norm": jnp.sqrt(sol["history_size"]) * n0,
     }
 
 
@@ -305,7 +302,8 @@ class SteeringResult:
     delta_O (K, d, H e) = factor_P factor_Q^T (factors (K, d, r), (K, H e, r)),
     norm (K,) = ||delta_O||_F, alignment (K,) reached (reduce over valid final tokens),
     feasible (K,) bool; the closed form at the same target: closed_alpha, closed_w
-    (K, H e), closed_norm, closed_alignment; histories (K, steps)."""
+    (K, H e), closed_norm, closed_alignment, with ``w`` the closed-form choice used
+    ("inverse" or "value"); histories (K, steps)."""
 
     directions: np.ndarray
     factor_P: np.ndarray
@@ -327,12 +325,25 @@ class SteeringResult:
     rank: int
     layer: int
     rule: str
+    w: str
 
     @property
     def delta_O(self) -> np.ndarray:
         """The dense changes (K, d, H e) (formed on the host, in float64)."""
         return np.einsum("kdr,ker->kde", np.asarray(self.factor_P, np.float64),
                          np.asarray(self.factor_Q, np.float64))
+
+    def delta_rank(self, i: int = 0) -> int:
+        """Numerical rank of delta_O[i] = P Q^T (at most ``rank``; 0 when infeasible): with
+        P = Q_P R_P and Q = Q_Q R_Q (thin QR), the singular values of P Q^T are those of the
+        r x r matrix R_P R_Q^T, counted above the rounding of the factors' own precision
+        (:func:`~.rank1.rank_tolerance`: a float32 optimiser's rounding is not a direction)."""
+        P, Q = (np.asarray(f[i], np.float64) for f in (self.factor_P, self.factor_Q))
+        if not (np.all(np.isfinite(P)) and np.all(np.isfinite(Q))):
+            return 0
+        sv = np.linalg.svd(np.linalg.qr(P)[1] @ np.linalg.qr(Q)[1].T, compute_uv=False)
+        tol = rank_tolerance(sv, (P.shape[0], Q.shape[0]), np.result_type(self.factor_P, self.factor_Q))
+        return int(np.sum(sv > tol)) if sv[0] > 0 else 0
 
     @property
     def norm_ratio(self) -> np.ndarray:
@@ -341,11 +352,11 @@ class SteeringResult:
 
     def to_json(self, i: int = 0) -> dict:
         f = lambda a: float(np.asarray(a)[i])
-        return {"param": self.param, "rank": self.rank, "target": self.target, "reduce": self.reduce,
-                "rule": self.rule, "layer": self.layer, "norm": f(self.norm), "alignment": f(self.alignment),
-                "feasible": bool(self.feasible[i]), "closed_alpha": f(self.closed_alpha),
-                "closed_norm": f(self.closed_norm), "closed_alignment": f(self.closed_alignment),
-                "norm_ratio": f(self.norm_ratio)}
+        return {"param": self.param, "rank": self.rank, "delta_rank": self.delta_rank(i), "target": self.target,
+                "reduce": self.reduce, "rule": self.rule, "layer": self.layer, "w": self.w, "norm": f(self.norm),
+                "alignment": f(self.alignment), "feasible": bool(self.feasible[i]),
+                "closed_alpha": f(self.closed_alpha), "closed_norm": f(self.closed_norm),
+                "closed_alignment": f(self.closed_alignment), "norm_ratio": f(self.norm_ratio)}
 
 
 def _row_basis(rows: np.ndarray, extra: Optional[np.ndarray] = None, tol: float = 1e-10) -> np.ndarray:
@@ -386,25 +397,56 @@ def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: st
     return X, vb, layers.schedule[t0:], l, kb
 
 
-def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: float = 0.99,
-                      reduce: str = "mean", param: str = "lowrank", rank: int = 1, steps: int = 300,
-                      lr: float = 1e-2, mu: float = 100.0, dual_every: int = 10, tol: float = 1e-4,
-                      w: str = "inverse", layer: int = -1, rule: str = "paper", attention: str = "softmax",
-                      keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
-                      vectorize: bool = True, signed: bool = True) -> SteeringResult:
-    """Minimise ||delta_O||_F subject to the final-token alignment >= target, for K directions.
+def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignment", valid=None,
+                      target: float = 0.99, reduce: str = "mean", param: str = "lowrank", rank: int = 1,
+                      steps: Optional[int] = None, lr: Optional[float] = None, mu: Optional[float] = None,
+                      dual_every: int = 10, tol: float = 1e-4, w: str = "auto", layer: int = -1, rule: str = "paper",
+                      attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
+                      vectorize: bool = True, signed: bool = True, target_prob=0.5, max_kl: float = 0.5,
+                      controls=None):
+    """Minimise the size of an edit of one layer subject to a steering objective, for K targets.
+
+    ``objective="alignment"`` (the paper's claim): min ||delta_O||_F subject to the final-token
+    alignment >= ``target`` under ``rule`` (module docstring); ``targets`` are directions.
+    ``objective="token"`` (the model's own output): ``targets`` are token ids, one per target;
+    min ||edit|| subject to p(target | prompt) >= ``target_prob`` at every prompt's last valid
+    token and mean KL(p_base || p_steered) <= ``max_kl`` over ``controls``, under rule ``full``
+    (:mod:`powerlens.steering.token`; needs a loaded decoder; ``param`` may also be
+    ``"activation"``). Returns a :class:`SteeringResult` or a
+    :class:`~.token.TokenSteeringResult`.
 
     Args:
-      layers: the system; x0: initial tokens (n, d) or (B, n, d) with ``valid`` (B, n).
-      directions: (d,) or (K, d); each is normalised (zero / non-finite / wrong size: error).
+      model_or_layers: a :class:`~powerlens.models.base.Model` or its Layers (alignment only).
+      x0: initial tokens (n, d) or (B, n, d) with ``valid`` (B, n).
+      targets: alignment: directions (d,) or (K, d), each normalised (zero / non-finite /
+        wrong size: error); token: a token id or K ids.
       target: alignment in (0, 1); reduce: ``mean`` or ``min`` over valid final tokens.
-      param: ``w_alpha`` or ``lowrank`` (with ``rank`` r >= 1); steps, lr: Adam;
-      mu, dual_every: augmented Lagrangian; tol: feasibility slack.
-      w: closed-form initial w, ``inverse`` or ``value``.
+      param: ``w_alpha`` or ``lowrank`` (with ``rank`` r >= 1); token also ``activation``.
+      steps, lr, mu: Adam steps and step size, augmented-Lagrangian penalty (defaults:
+        300, 1e-2, 100 for alignment; 300, 3e-3, 10 for token); dual_every: multiplier
+        updates; tol: feasibility slack.
+      w: closed-form initial w, ``auto`` (``inverse`` where V_cat has full column rank, else
+        ``value``), ``inverse`` or ``value``; the choice used is the result's ``w``.
       vectorize: one vmapped run over the K directions (default), or a Python loop over
         the same jitted single-direction function (for the benchmark).
       signed: alignment is cos(y, u) (True) or the sign-free |cos(y, u)| (the paper's gamma).
+      target_prob, max_kl, controls: the token objective's levels (one level or one per
+        target) and control prompts (texts or token-id lists; default
+        :data:`~.token.CONTROL_PROMPTS`).
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
+    if objective == "token":
+        from .token import optimize_token
+        return optimize_token(model_or_layers, x0, targets, valid=valid, layer=layer, rank=rank, param=param,
+                              target_prob=target_prob, max_kl=max_kl, controls=controls,
+                              steps=300 if steps is None else steps, lr=3e-3 if lr is None else lr,
+                              mu=10.0 if mu is None else mu, dual_every=dual_every, tol=tol, w=w, seed=seed)
+    layers = getattr(model_or_layers, "layers", model_or_layers)
+    directions = targets
+    steps = 300 if steps is None else steps
+    lr = 1e-2 if lr is None else lr
+    mu = 100.0 if mu is None else mu
     target = check_target(target)
     if reduce not in REDUCTIONS:
         raise ValueError(f"unknown reduce {reduce!r}; expected one of {REDUCTIONS}")
@@ -417,8 +459,8 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
     for name, v in (("lr", lr), ("mu", mu)):
         if not np.isfinite(v) or v <= 0:
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-    if w not in ("inverse", "value"):
-        raise ValueError(f"unknown w {w!r}; expected 'inverse' or 'value'")
+    if not isinstance(w, str) or w not in W_CHOICES:
+        raise ValueError(f"unknown w {w!r}; expected one of {W_CHOICES}")
     d = layers.config.d_model
     D = np.asarray(directions, np.float64)
     D = D[None] if D.ndim == 1 else D
@@ -428,6 +470,7 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
     X, vb, tail, l, kb = prepare_problem(layers, x0, valid, layer=layer, rule=rule, attention=attention,
                                          keep_bias=keep_bias, positions=positions)
     _, V, _ = host_matrices(layers, l)
+    w = resolve_w(V, w, l).kind if w == "auto" else w
     R = inverse_map(V, l) if w == "inverse" else V
     dtype = layers.W_v.dtype
     R = jnp.asarray(R, dtype)
@@ -446,4 +489,4 @@ def optimize_steering(layers: Layers, x0, directions, *, valid=None, target: flo
         out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     out = jax.tree_util.tree_map(np.asarray, out)
     return SteeringResult(directions=D, target=target, reduce=reduce, param=param, rank=int(rank), layer=l,
-                          rule=rule, **out)
+                          rule=rule, w=w, **out)

@@ -12,6 +12,10 @@ Choices of w:
                z = u exactly (needs V_cat of full column rank d, i.e. H e >= d); solved by
                least squares, never through V_cat^T V_cat, whose condition number is cond(V_cat)^2;
     "value"    w = V_cat u / ||V_cat u||, the unit w with the largest z.u = ||V_cat u||;
+    "auto"     (the default) "inverse" where V_cat has full column rank d, "value" otherwise
+               (:func:`resolve_w`). Grouped-query attention repeats each key/value head over
+               its group of query heads, so rank V_cat <= (number of KV heads) e < d and
+               "inverse" is impossible there;
     an array   any (H e,) vector.
 
 Asymptotics. An eigenpair of F' off the spectrum of F satisfies (lambda I - F) x =
@@ -44,7 +48,7 @@ from ..dynamics.params import Layers, layer_factors, value_matrix
 from ..models.layout import checkpoint_delta
 from .directions import as_direction
 
-W_CHOICES = ("inverse", "value")
+W_CHOICES = ("auto", "inverse", "value")
 
 
 def layer_index(layers: Layers, layer: int) -> int:
@@ -84,6 +88,79 @@ def host_factors(layers: Layers, layer: int, W_o: np.ndarray):
     return layer_factors(one.replace(W_o=np.asarray(W_o, np.float64), W_v=np.asarray(one.W_v, np.float64)))
 
 
+def rank_tolerance(sv: np.ndarray, shape, dtype=np.float64) -> float:
+    """Singular values at or below this are zero: the rounding of ``dtype`` (the precision the
+    matrix was computed in) in an SVD of a ``shape`` matrix whose largest singular value is
+    sv[0] (sv sorted in decreasing order)."""
+    return float(sv[0]) * max(shape) * float(np.finfo(dtype).eps) * 10
+
+
+@dataclasses.dataclass(frozen=True)
+class WChoice:
+    """The closed-form w actually used for a layer, and why (see :func:`resolve_w`)."""
+
+    requested: str     # "auto", "inverse" or "value"
+    kind: str          # the one used: "inverse" or "value"
+    rank: int          # numerical column rank of V_cat (H e, d)
+    d: int
+    layer: int
+
+    @property
+    def full_rank(self) -> bool:
+        return self.rank == self.d
+
+    def describe(self) -> str:
+        """One line, e.g. ``w=value (auto: layer 29's V_cat has rank 192 < d=576)``."""
+        why = (f"layer {self.layer}'s V_cat has full column rank {self.d}" if self.full_rank else
+               f"layer {self.layer}'s V_cat has rank {self.rank} < d={self.d}")
+        return f"w={self.kind} ({self.requested}: {why})" if self.requested == "auto" else f"w={self.kind}"
+
+    def to_json(self) -> dict:
+        return {"requested": self.requested, "used": self.kind, "value_rank": self.rank, "d": self.d,
+                "layer": self.layer}
+
+
+def _inverse_refusal(shape, sv: np.ndarray, layer: int) -> Optional[str]:
+    """Why w='inverse' is impossible for a value matrix V_cat of ``shape`` (H e, d) with singular
+    values ``sv`` (decreasing), or None when V_cat has full column rank d."""
+    He, d = shape
+    if He < d:
+        return (f"w='inverse' needs H*d_head >= d, but layer {layer} has H*d_head={He} < d={d}; "
+                f"use w='value' or an explicit w")
+    if sv[-1] <= rank_tolerance(sv, shape):
+        return (f"w='inverse' needs V_cat^T V_cat invertible, but layer {layer}'s value matrix is "
+                f"rank-deficient (smallest singular value {sv[-1]:.3g}, largest {sv[0]:.3g}); "
+                f"use w='value' or an explicit w")
+    return None
+
+
+def resolve_w(V: np.ndarray, w: str = "auto", layer: int = -1) -> WChoice:
+    """Which closed-form w a string choice means for the value matrix V_cat (H e, d).
+
+    ``"auto"`` is ``"inverse"`` when V_cat has full column rank d (so z = u is reachable)
+    and ``"value"`` otherwise (H e < d, or grouped-query heads, whose V_cat repeats each
+    key/value head over its group); ``"value"`` is kept; ``"inverse"`` is kept where it is
+    possible and refused (ValueError, with the reason) where it is not. One SVD of V_cat
+    on the host."""
+    if not isinstance(w, str) or w not in W_CHOICES:
+        raise ValueError(f"unknown w {w!r}; expected one of {W_CHOICES}")
+    V = np.asarray(V, np.float64)
+    sv = np.linalg.svd(V, compute_uv=False)
+    refusal = _inverse_refusal(V.shape, sv, layer) if sv.size and sv[0] > 0 else \
+        f"w='inverse' needs V_cat of full column rank, but layer {layer}'s value matrix is zero"
+    if w == "inverse" and refusal is not None:
+        raise ValueError(refusal)
+    kind = w if w != "auto" else ("inverse" if refusal is None else "value")
+    rank = int(np.sum(sv > rank_tolerance(sv, V.shape))) if sv.size and sv[0] > 0 else 0
+    return WChoice(requested=w, kind=kind, rank=rank, d=V.shape[1], layer=layer)
+
+
+def layer_w_choice(layers: Layers, w: str = "auto", layer: int = -1) -> WChoice:
+    """:func:`resolve_w` for unique layer ``layer`` of ``layers`` (its V_cat in float64)."""
+    l = layer_index(layers, layer)
+    return resolve_w(host_matrices(layers, l)[1], w, l)
+
+
 def _min_norm_solve(V: np.ndarray, B: np.ndarray, layer: int) -> np.ndarray:
     """pinv(V^T) B: the minimum-norm solution W of V^T W = B (V (H e, d), B (d,) or (d, k)).
 
@@ -91,15 +168,12 @@ def _min_norm_solve(V: np.ndarray, B: np.ndarray, layer: int) -> np.ndarray:
     times cond(V), not cond(V)^2 as through the normal equations V (V^T V)^{-1}. Error if
     H e < d or V is rank-deficient (then no W gives V^T W = B for every B).
     """
-    He, d = V.shape
-    if He < d:
-        raise ValueError(f"w='inverse' needs H*d_head >= d, but layer {layer} has H*d_head={He} < d={d}; "
-                         f"use w='value' or an explicit w")
+    if V.shape[0] < V.shape[1]:
+        raise ValueError(_inverse_refusal(V.shape, None, layer))
     W, _, _, sv = np.linalg.lstsq(V.T, B, rcond=None)
-    if sv[-1] <= sv[0] * max(He, d) * np.finfo(np.float64).eps * 10:
-        raise ValueError(f"w='inverse' needs V_cat^T V_cat invertible, but layer {layer}'s value matrix is "
-                         f"rank-deficient (smallest singular value {sv[-1]:.3g}, largest {sv[0]:.3g}); "
-                         f"use w='value' or an explicit w")
+    refusal = _inverse_refusal(V.shape, sv, layer)
+    if refusal is not None:
+        raise ValueError(refusal)
     return W
 
 
@@ -112,6 +186,8 @@ def choose_w(V: np.ndarray, u: np.ndarray, w: Union[str, np.ndarray], layer: int
     """The read-in vector w (H e,) for direction u (see module docstring)."""
     He = V.shape[0]
     if isinstance(w, str):
+        if w == "auto":
+            w = resolve_w(V, w, layer).kind
         if w == "inverse":
             return _min_norm_solve(V, u, layer)
         if w == "value":
@@ -169,6 +245,7 @@ class Rank1Result:
     alpha: float
     u: np.ndarray                  # (d,) unit
     w: np.ndarray                  # (H e,)
+    w_kind: str                    # the choice used: "inverse", "value" or "given" (an explicit array)
     z: np.ndarray                  # (d,) = V_cat^T w
     delta_O: np.ndarray            # (d, H e) = alpha u w^T
     delta_norm: float              # ||delta_O||_F = alpha ||w||
@@ -198,13 +275,12 @@ class Rank1Result:
 
     def to_json(self) -> dict:
         c = lambda z: [float(np.real(z)), float(np.imag(z))]
-        out = {"layer": self.layer, "alpha": self.alpha, "delta_norm": self.delta_norm, "z_dot_u": self.zu,
-               "predicted_top_eigenvalue": self.predicted_eigenvalue}
+        out = {"layer": self.layer, "w": self.w_kind, "alpha": self.alpha, "delta_norm": self.delta_norm,
+               "z_dot_u": self.zu, "predicted_top_eigenvalue": self.predicted_eigenvalue}
         if self.spectrum is None:
             return out
         return {
-            "layer": self.layer, "alpha": self.alpha, "delta_norm": self.delta_norm, "z_dot_u": self.zu,
-            "predicted_top_eigenvalue": self.predicted_eigenvalue,
+            **out,
             "exact_branch_eigenvalue": c(self.branch_eigenvalue),
             "exact_top_eigenvalue_shifted": c(self.spectrum.shifted.top),
             "exact_top_eigenvalue_plain": c(self.spectrum.plain.top),
@@ -214,7 +290,7 @@ class Rank1Result:
         }
 
 
-def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", layer: int = -1,
+def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "auto", layer: int = -1,
           spectrum: bool = True) -> Rank1Result:
     """Closed-form rank-1 steering O' = O + alpha u w^T of unique layer ``layer``.
 
@@ -222,7 +298,9 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
       layers: the system (its dtype is kept for the steered parameters).
       u: direction (d,), normalised here (zero / non-finite / wrong size: ValueError).
       alpha: strength > 0.
-      w: ``"inverse"`` (z = u), ``"value"`` (max z.u for unit w) or an explicit (H e,) vector.
+      w: ``"auto"`` (``"inverse"`` where V_cat has full column rank, else ``"value"``),
+        ``"inverse"`` (z = u), ``"value"`` (max z.u for unit w) or an explicit (H e,) vector;
+        the choice used is ``w_kind``.
       layer: unique-layer index (default the last). For a shared-weight system this
         perturbs the one shared layer, hence every step.
       spectrum: compute the exact spectrum of F' (host float64 eig + Schur: a few
@@ -234,6 +312,9 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
     u = as_direction(u, d)
     alpha = check_alpha(alpha)
     W_o, V, F = host_matrices(layers, l)
+    if isinstance(w, str) and w == "auto":
+        w = resolve_w(V, w, l).kind
+    w_kind = w if isinstance(w, str) else "given"
     wv = choose_w(V, u, w, l)
     z = V.T @ wv
     delta = alpha * np.outer(u, wv)
@@ -241,8 +322,8 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
     lam, x = asymptotic_prediction(F, u, z, alpha)
     if not spectrum:
         return Rank1Result(
-            layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, z=z, delta_O=delta,
-            delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
+            layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, w_kind=w_kind, z=z,
+            delta_O=delta, delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
             predicted_eigenvector=x, branch_eigenvalue=complex(np.nan, np.nan), branch_eigenvector=np.full(d, np.nan),
             spectrum=None)
     factors = host_factors(layers, l, W_o + delta)
@@ -254,7 +335,7 @@ def rank1(layers: Layers, u, *, alpha, w: Union[str, np.ndarray] = "inverse", la
     v = v / nv if nv > 0 else v
     v = v * (1.0 if v @ u >= 0 else -1.0)
     return Rank1Result(
-        layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, z=z, delta_O=delta,
-        delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
+        layers=steer_layers(layers, delta, l), layer=l, alpha=alpha, u=u, w=wv, w_kind=w_kind, z=z,
+        delta_O=delta, delta_norm=float(alpha * np.linalg.norm(wv)), F=F, F_new=F_new, predicted_eigenvalue=lam,
         predicted_eigenvector=x, branch_eigenvalue=complex(ev[k]), branch_eigenvector=v,
         spectrum=layer_spectra(F_new[None], factors=(factors[0][None], factors[1][None]))[0])

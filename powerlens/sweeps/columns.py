@@ -22,6 +22,13 @@ the principal group, design.md §2). Each column, with NaN/None where it is unde
     bipartite_final        every token within ``bipartite_cos`` of +-v1 and both signs present
     bipartite_drift        largest sin(token, v1) one step after the exact +-v1 start
     converged              final_consensus <= converged_consensus and final_gamma >= converged_gamma
+    finite                 every state x_0 .. x_T of the run finite and non-zero (the scan's own
+                           ``finite`` observer)
+
+A row whose run went non-finite (``finite`` False: an overflow, a NaN, a token without a
+direction) reports no measure of its states: every column of :data:`OF_STATES` and its
+series are null. The spectral columns (lambda, the predictions, principal_dim) describe
+the system itself and stay.
 
 A measured rate is the asymptotic one (:func:`fit_rates`): exp of the least-squares slope
 of log(value) against t over a window of steps. ``"auto"`` takes the later half of the
@@ -40,7 +47,11 @@ from ..dynamics.measures import mean_angle
 MEASURED = ("lambda1_re", "lambda1_im", "lambda2_re", "lambda2_im", "principal_dim",
             "consensus_rate_pred", "direction_rate_pred", "rotation_pred", "top2_rate_pred",
             "consensus_rate", "direction_rate", "rotation", "top2_rate",
-            "final_gamma", "mean_rho", "final_consensus", "bipartite_final", "bipartite_drift", "converged")
+            "final_gamma", "mean_rho", "final_consensus", "bipartite_final", "bipartite_drift", "converged",
+            "finite")
+OF_STATES = ("consensus_rate", "direction_rate", "rotation", "top2_rate", "final_gamma", "mean_rho",
+             "final_consensus", "bipartite_final", "bipartite_drift", "converged")
+"""The columns measured on the states: null in a row whose run went non-finite."""
 RATES = (("consensus_rate", "consensus_rate_pred"), ("direction_rate", "direction_rate_pred"),
          ("rotation", "rotation_pred"), ("top2_rate", "top2_rate_pred"))
 BOOLEAN = ("bipartite_final", "converged")
@@ -137,12 +148,14 @@ def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=(
     with np.errstate(invalid="ignore"):
         out["converged"] = ((out["final_consensus"] <= measure["converged_consensus"])
                             & (out["final_gamma"] >= measure["converged_gamma"]))
+    ok = np.all(np.asarray(raw["finite"], bool).reshape(S, -1), axis=1)
+    out["finite"] = ok
     cols = {}
     for name in MEASURED:
         v = out[name]
         if isinstance(v, list):
             cols[name] = v
-        elif name in BOOLEAN:
+        elif name in BOOLEAN or name == "finite":
             cols[name] = [bool(x) for x in v]
         elif name in INTEGER:
             cols[name] = [int(x) for x in v]
@@ -151,6 +164,8 @@ def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=(
     for name in series:
         if name in raw:
             cols[name] = np.asarray(raw[name], np.float64).tolist()
+    for name in [*OF_STATES, *(k for k in series if k in cols)]:
+        cols[name] = [x if good else None for x, good in zip(cols[name], ok)]
     return cols
 
 
@@ -170,6 +185,8 @@ def to_frame(chunks):
         if name in df:
             df[name] = df[name].astype("boolean")
     for name in MEASURED:
-        if name in df and name not in BOOLEAN + INTEGER:
+        if name in df and name not in BOOLEAN + INTEGER + ("finite",):
             df[name] = df[name].astype("float64")
+    if "finite" in df:
+        df["finite"] = df["finite"].astype(bool)
     return df.reset_index(drop=True)

@@ -1,7 +1,9 @@
 """The sweep engine: every system of a spec through one compiled program per group.
 
-    plan_chunks(spec, groups)           -> chunks: (group, index, systems [start, stop))
-    run_sweep(spec, store=...)          -> SweepResult (the table on process 0)
+    Engine(spec)                        -> checks everything, plans the chunks (nothing runs)
+    engine.describe()                   -> what will run: systems, chunks, memory per chunk
+    engine.run(store)                   -> SweepResult (the table on process 0)
+    run_sweep(spec, store=...)          -> the same in one call
 
 * Points are grouped by static shape (:mod:`powerlens.sweeps.grid`); each group runs in
   chunks, one call of ``jit(shard_map(lax.map(vmap(measure o build))))`` each
@@ -9,39 +11,59 @@
   devices (GPUs, TPU cores, or CPU cores exposed as host devices), each device vmaps over
   micro-batches of its share. Synthetic systems are built inside the program from their
   seeds; a model's or a custom builder's systems are built on the host and placed.
-* The chunk size comes from a memory estimate per system (:func:`bytes_per_system`)
-  against the device's memory (a fixed budget on CPUs), capped so that progress and
-  resumption stay fine-grained, and balanced so that the last chunk is not mostly padding.
-  Every chunk of a group is padded to the same size: one compilation per group.
+* Before anything is compiled the engine checks what it can: a model sweep's model, layers
+  and prompts, a custom builder's first point, and the memory of one chunk of every group
+  (:func:`chunk_estimate`: the parts of ``simulate``'s own estimate,
+  :func:`powerlens.analysis.budget.run_estimate`, plus the sweep's). The chunk size is the
+  largest that fits the device's memory (a fixed budget on CPUs) and the host's, capped so
+  that progress and resumption stay fine-grained, and balanced so that the last chunk is
+  not mostly padding; a group whose smallest chunk does not fit is refused naming the key
+  that makes it large (steps, tokens, micro_batch, ...). Every chunk of a group is padded to
+  the same size: one compilation per group. The plan (:class:`Plan`) is index arithmetic:
+  no chunk is listed.
 * Chunk j goes to process j mod N (``"local"`` mode: each process runs its chunks on its
   own devices); in ``"global"`` mode every chunk is sharded over the global mesh of all
-  processes' devices. A finished chunk is reduced to its columns on the host and stored
-  at once; a chunk already in the store is never recomputed. The next chunk is dispatched
-  (and a new group compiled) before the previous one is reduced, so host work overlaps
-  device work.
+  processes' devices. A finished chunk is reduced to its columns on the host and stored at
+  once with its provenance (the spec's hash, its group and index, a checksum of its rows);
+  a stored chunk is taken in only if all of these match (else it is recomputed, and the log
+  says why). The next chunk is dispatched (and a new group compiled) before the previous
+  one is reduced, so host work overlaps device work.
 * The numbers of a system do not depend on the chunking, the process count or resumption:
   each device always runs the same micro-batch program.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
-import math
+import hashlib
+import json
+import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import jax
 import numpy as np
 
+from ..analysis.budget import Estimate, available_bytes, format_bytes, run_estimate
 from ..dynamics.sweep import MICRO_CPU, pad_systems, padded_size, system_map
 from . import columns
 from .grid import DYNAMIC, Grid, Group, system_seeds
 from .measures import measure
 from .spec import Spec
-from .systems import Static, Systems, concat, host_builder, model_systems, synthetic
+from .store import jsonable
+from .systems import (Static, Systems, call_builder, check_model, checkpoint_identity, concat, model_systems,
+                      spec_builder, synthetic)
 
 CPU_BUDGET = 1 << 30           # bytes per CPU device for one chunk
 MAX_CHUNK = {"cpu": 1024}      # systems per chunk at most (accelerators: 16384)
+MAX_CHUNKS = 1_000_000         # chunks a sweep may have (one file each)
+REFERENCES = 3                 # principal, random control, other layer (powerlens.dynamics.subspaces)
+LIST_BYTES = 56
+"""Host bytes of one number of a chunk's columns: a Python float, its list slot and its JSON
+text (the columns are JSON-ready lists until the table is built)."""
+FORMAT = 1
+"""The version of a stored chunk's layout (part of its provenance)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +87,8 @@ class Chunk:
 
 @dataclasses.dataclass
 class SweepResult:
-    """What :func:`run_sweep` did. ``table`` is set on process 0 only (None elsewhere)."""
+    """What :func:`run_sweep` did. ``table`` is set on process 0 only (None elsewhere);
+    ``non_finite`` counts its rows whose run went non-finite (their measures are null)."""
 
     table: Any
     chunks: int
@@ -77,6 +100,8 @@ class SweepResult:
     devices: List[str]
     processes: int
     groups: List[dict]
+    non_finite: Optional[int] = None
+    recomputed: int = 0
 
 
 def static_of(spec: Spec, group: Group) -> Static:
@@ -86,16 +111,32 @@ def static_of(spec: Spec, group: Group) -> Static:
                   keep_bias=s["keep_bias"], x64=s["x64"], series=tuple(spec.measure["series"]))
 
 
-def bytes_per_system(st: Static, d: int, n: int, heads: int, micro: int) -> Dict[str, int]:
-    """Rough bytes of one system: ``held`` (its parameters, the build's d x d temporaries,
-    inputs and outputs: alive for the whole chunk) and ``working`` (the scan's stacked
-    outputs and one step's temporaries, alive for one micro-batch)."""
-    T, item, m = st.steps, (8 if st.x64 else 4), 3
-    held = 12 * d * d + 2 * n * d + 4 * d * 4 + 6 * (T + 1) + 2 * n * d
-    if "plane_angle" in st.series:
-        held += (T + 1) * n
-    working = (3 * m + 8) * (T + 1) + heads * n * n * 4 + 3 * n * d * 6
-    return {"held": held * item, "working": working * item * micro}
+def chunk_estimate(st: Static, shapes: Mapping[str, int], systems: int, attention_batch: int) -> Estimate:
+    """The memory of one chunk of ``systems`` (padded) systems of T steps, n tokens, width d,
+    H heads of size e, floats of s bytes, ``attention_batch`` of them in one vmap step at once
+    (over every device). The parts of ``simulate``'s estimate
+    (:func:`~powerlens.analysis.budget.run_estimate`: the chunk's initial tokens, its
+    per-step measures, kept for all T + 1 steps since one scan runs them, and the attention of
+    what runs at once), and the sweep's own::
+
+        systems       S (12 d² + 4 n d + 16 d) s      weights (built in the program or placed),
+                                                      the build's d x d temporaries, subspaces
+        host copies   S (T+1) (4m+5+k) 8              the raw series on the host, float64 for
+                                                      the columns (k: requested series per step)
+        series        S (T+1) k (s + LIST_BYTES)      the requested series as JSON-ready lists
+    """
+    T, S = int(st.steps), int(systems)
+    d, n = int(shapes["d"]), int(shapes["tokens"])
+    s = 8 if st.x64 else 4
+    base = run_estimate(steps=T, batch=S, tokens=n, d=d, heads=int(shapes["heads"]), d_head=int(shapes["d_head"]),
+                        kv_heads=shapes.get("kv_heads"), itemsize=s, orders=0, references=REFERENCES,
+                        steps_per_chunk=T + 1, attention_batch=attention_batch)
+    k = sum(n if name == "plane_angle" else 1 for name in st.series)
+    parts = {**base.parts,
+             "systems": S * (12 * d * d + 4 * n * d + 16 * d) * s,
+             "host copies": S * (T + 1) * (4 * REFERENCES + 5 + k) * 8,
+             "series": S * (T + 1) * k * (s + LIST_BYTES)}
+    return Estimate(parts={name: v for name, v in parts.items() if v}, advice="")
 
 
 def _platform() -> str:
@@ -110,46 +151,71 @@ def _micro(spec: Spec) -> Optional[int]:
     return None if m == "all" else int(m)
 
 
-def _budget() -> int:
+def _device_memory() -> Optional[int]:
+    """An accelerator's memory in bytes (None on a CPU: the host's memory is the limit)."""
     dev = jax.local_devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(0.4 * stats["bytes_limit"])
-    return CPU_BUDGET
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
-def chunk_size(spec: Spec, group: Group, st: Static) -> int:
-    """Systems per chunk for ``group``: the spec's ``chunk_size``, else what the memory estimate
-    allows (at most :data:`MAX_CHUNK`), balanced over the group and rounded to the micro-batch;
-    whole points for host-built systems."""
-    G = group.n_systems
-    R = group.replicates
-    host = spec.model is not None or spec.system.get("builder", "synthetic") != "synthetic"
-    micro = _micro(spec) or 1
-    if spec.run["chunk_size"]:
-        size = spec.run["chunk_size"]
-    else:
-        d, n, heads = st.d or 64, st.tokens or 64, st.heads or 1
-        b = bytes_per_system(st, d, n, heads, micro)
-        cap = MAX_CHUNK.get(_platform(), 16384)
-        size = max(1, min(cap, (_budget() - b["working"]) // max(b["held"], 1)))
-        n_chunks = math.ceil(G / size)
-        size = math.ceil(G / n_chunks)
-        if size > micro:
-            size = math.ceil(size / micro) * micro
-    if host:
-        size = max(R, size // R * R)
-    return min(size, G)
+def _budget() -> int:
+    """Bytes one device should spend on a chunk (what chunks are sized to): 40 % of an
+    accelerator's memory, CPU_BUDGET on a CPU."""
+    memory = _device_memory()
+    return int(0.4 * memory) if memory else CPU_BUDGET
 
 
-def plan_chunks(spec: Spec, groups: List[Group]) -> List[Chunk]:
-    """Every chunk of the sweep, group after group (the same list on every process)."""
-    out = []
-    for g in groups:
-        size = chunk_size(spec, g, static_of(spec, g))
-        for k, start in enumerate(range(0, g.n_systems, size)):
-            out.append(Chunk(g.index, k, start, min(start + size, g.n_systems), size))
-    return out
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every chunk of a sweep, group after group, as index arithmetic (the same on every
+    process): group g has ``counts[g]`` chunks of ``sizes[g]`` systems (the last one shorter);
+    chunk j of the sweep is chunk j - first[g] of its group. ``estimates[g]``: the memory of
+    one of its chunks (padded), ``limit``: the memory a chunk can have (the host's, and the
+    devices' on accelerators)."""
+
+    groups: tuple
+    sizes: tuple
+    estimates: tuple
+    limit: float
+
+    @functools.cached_property
+    def counts(self) -> tuple:
+        return tuple(-(-g.n_systems // s) for g, s in zip(self.groups, self.sizes))
+
+    @functools.cached_property
+    def first(self) -> tuple:
+        return tuple(np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])[:-1].tolist())
+
+    def __len__(self) -> int:
+        return int(sum(self.counts))
+
+    def __getitem__(self, j: int) -> Chunk:
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        g = bisect.bisect_right(self.first, j) - 1
+        k, size, n = j - self.first[g], self.sizes[g], self.groups[g].n_systems
+        return Chunk(g, k, k * size, min((k + 1) * size, n), size)
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+    def of_process(self, rank: int, nproc: int) -> List[Chunk]:
+        """The chunks j with j mod nproc == rank."""
+        return [self[j] for j in range(rank, len(self), nproc)]
+
+
+def spec_hash(spec: Spec, checkpoint: Optional[dict] = None, prefix: str = "") -> str:
+    """sha256 of what a sweep's rows depend on: the normalised spec, the checkpoint of a
+    model sweep, the chunk names' prefix and the chunk layout."""
+    blob = json.dumps({"spec": spec.to_dict(), "checkpoint": checkpoint, "prefix": prefix, "format": FORMAT},
+                      sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def rows_checksum(systems: list, cols: Mapping[str, list]) -> str:
+    """sha256 of a chunk's rows as stored (JSON-ready: NaN is null)."""
+    blob = json.dumps({"system": systems, "columns": cols}, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class _Missing(Exception):
@@ -189,17 +255,24 @@ def _compiled(st: Static, device_built: bool, mesh, micro: Optional[int]):
 
 
 class Engine:
-    """Runs the chunks of one spec on this process (see the module docstring)."""
+    """Runs the chunks of one spec on this process (see the module docstring).
 
-    def __init__(self, spec: Spec, store, *, mode: str = "local", progress: bool = True, desc: str = "",
-                 prefix: str = ""):
+    Constructing it checks everything that can be checked before a chunk runs and plans the
+    chunks (a ValueError naming the spec's key when refused); nothing is compiled and no
+    file is written. ``log`` receives the one-line notes of a run (a stored chunk that does
+    not match and is recomputed); default: standard error.
+    """
+
+    def __init__(self, spec: Spec, store=None, *, mode: str = "local", progress: bool = True, desc: str = "",
+                 prefix: str = "", log: Optional[Callable[[str], None]] = None):
         if mode not in ("local", "global"):
             raise ValueError(f"unknown distribution mode {mode!r}; expected 'local' or 'global'")
         self.spec, self.store, self.mode = spec, store, mode
+        self.progress, self.desc, self.prefix = progress, desc, prefix
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.grid = Grid(spec)
         self.groups = self.grid.groups()
         self.statics = [static_of(spec, g) for g in self.groups]
-        self.chunks = plan_chunks(spec, self.groups)
         self.rank, self.nproc = jax.process_index(), jax.process_count()
         from jax.sharding import Mesh
         if mode == "global":
@@ -207,11 +280,170 @@ class Engine:
         else:
             self.mesh = Mesh(np.array(jax.local_devices()), ("systems",))
         self.micro = _micro(spec)
-        self.progress, self.desc, self.prefix = progress, desc, prefix
         builder = spec.system.get("builder", "synthetic")
         self.device_built = spec.model is None and builder == "synthetic"
         self.build = model_systems if spec.model is not None else (
-            None if self.device_built else host_builder(builder))
+            None if self.device_built else spec_builder(spec))
+        self._built: Dict[int, Systems] = {}       # host-built points kept from the checks, by point
+        self.checkpoint = checkpoint_identity(spec.model["name"]) if spec.model is not None else None
+        self.shapes = self._check_systems()
+        self.plan = self._plan()
+        self.hash = spec_hash(spec, self.checkpoint, prefix)
+        self._stale: Dict[str, str] = {}
+
+    # ------------------------------------------------------------------ checks and plan
+
+    def _where(self, key: str) -> str:
+        """Where ``key`` is set in the spec, for a message: ``SOURCE: [grid] steps``."""
+        s = self.spec
+        if key in s.grid:
+            table = "grid"
+        elif key == "prompts":
+            table = "model"
+        else:
+            table = "run" if key in s.run else "system"
+        return f"{s.source}: [{table}] {key}"
+
+    def _check_systems(self) -> Optional[Dict[str, int]]:
+        """The shapes of host-built systems (None for synthetic ones, whose group fixes them),
+        after the checks that need the model or the builder: a model's layers and prompts, a
+        builder's first point (its type, its rule)."""
+        spec = self.spec
+        if self.device_built:
+            return None
+        if spec.model is not None:
+            return check_model(spec)
+        with jax.enable_x64(self.statics[0].x64):       # in its group's precision, as when its chunk runs
+            sy = self._built[0] = self._host_systems(np.array([0]))    # kept for that chunk
+        cfg = sy.layers.config
+        if "full" in {st.rule for st in self.statics} and (sy.layers.W_in is None or cfg.ffn_activation is None):
+            raise ValueError(f"{self._where('rule')}: \"full\" runs the model's own block, FFN included, and the "
+                             f"systems of builder {spec.system['builder']!r} have none; use paper, post_ln or pre_ln")
+        n, d = np.shape(sy.x0)[-2:]
+        return {"d": int(d), "tokens": int(n), "heads": int(cfg.n_heads), "d_head": int(cfg.d_head),
+                "kv_heads": int(cfg.n_kv_heads)}
+
+    def _shapes(self, st: Static) -> Dict[str, int]:
+        if self.shapes is not None:
+            return self.shapes
+        return {"d": st.d, "tokens": st.tokens, "heads": st.heads, "d_head": st.d // st.heads}
+
+    def estimate(self, group: int, systems: int) -> Estimate:
+        """The memory of a chunk of ``systems`` systems of ``group``, padded as it will run."""
+        return self._estimate(group, systems, self.micro)
+
+    def _estimate(self, group: int, systems: int, micro: Optional[int]) -> Estimate:
+        st, ndev = self.statics[group], self.mesh.size
+        padded = padded_size(systems, ndev, micro)
+        return chunk_estimate(st, self._shapes(st), padded, ndev * (micro or padded // ndev))
+
+    def _plan(self) -> Plan:
+        """Chunks sized to the budget (the devices' share, at most the host's memory); refused
+        when the smallest (or the spec's) chunk exceeds the memory there is."""
+        ndev, host = self.mesh.size, available_bytes()
+        budget = float(min(_budget() * ndev, host))
+        memory = _device_memory()
+        limit = float(min(memory * ndev, host) if memory else host)
+        sizes, estimates = [], []
+        for g in self.groups:
+            size = self._chunk_size(g, budget)
+            est = self.estimate(g.index, size)
+            smallest = 1 if self.device_built else g.replicates
+            while est.total > budget and size > smallest and not self.spec.run["chunk_size"]:
+                size = max(smallest, size // 2 // smallest * smallest)     # padding made it too large
+                est = self.estimate(g.index, size)
+            if est.total > limit:
+                raise ValueError(self._refusal(g, size, est, limit))
+            sizes.append(size)
+            estimates.append(est)
+        plan = Plan(tuple(self.groups), tuple(sizes), tuple(estimates), limit)
+        if len(plan) > MAX_CHUNKS:
+            key = "chunk_size" if self.spec.run["chunk_size"] else "steps"
+            raise ValueError(f"{self._where(key)}: the sweep would run in {len(plan):,} chunks (one file each); "
+                             f"at most {MAX_CHUNKS:,}: use larger chunks or fewer systems")
+        self._check_table()
+        return plan
+
+    def _chunk_size(self, group: Group, budget: float) -> int:
+        """Systems per chunk for ``group``: the spec's ``chunk_size``, else the most that fit
+        ``budget`` (at most :data:`MAX_CHUNK`), balanced over the group and rounded to the
+        micro-batch; whole points for host-built systems."""
+        G, R = group.n_systems, group.replicates
+        micro, ndev = self.micro or 1, self.mesh.size
+        if self.spec.run["chunk_size"]:
+            size = self.spec.run["chunk_size"]
+        else:
+            st = self.statics[group.index]
+            at = lambda systems, width: chunk_estimate(st, self._shapes(st), systems, width).total
+            c0 = at(0, 0)                                   # the estimate is affine in both counts
+            per_system, per_width = at(1, 0) - c0, at(0, 1) - c0
+            fixed = c0 + (per_width * ndev * self.micro if self.micro else 0)
+            fit = max(int((budget - fixed) // max(per_system + (0 if self.micro else per_width), 1)), 1)
+            size = max(1, min(MAX_CHUNK.get(_platform(), 16384), fit, G))
+            size = -(-G // -(-G // size))                      # balanced: the last chunk is not mostly padding
+            if size > micro:
+                up = -(-size // micro) * micro
+                size = up if padded_size(up, ndev, self.micro) <= fit else size // micro * micro
+        if not self.device_built:
+            size = max(R, size // R * R)
+        return min(size, G)
+
+    def _refusal(self, group: Group, size: int, est: Estimate, limit: float) -> str:
+        """Why the smallest chunk of ``group`` does not fit, naming the key that makes it large."""
+        spec, R = self.spec, group.replicates
+        fits = lambda n, micro=self.micro: self._estimate(group.index, n, micro).total <= limit
+        if spec.run["chunk_size"] and fits(R if not self.device_built else 1):
+            key, advice = "chunk_size", "use a smaller chunk_size, or 0 to size the chunks from this estimate"
+        elif isinstance(spec.run["micro_batch"], int) and self.micro > 1 and fits(1, 1):   # set, not "auto"
+            key, advice = "micro_batch", "use a smaller micro_batch, or \"auto\""
+        elif not self.device_built and R > 1 and fits(1):
+            key = "prompts" if spec.model is not None else "replicates"
+            advice = f"use fewer {key} (a chunk of host-built systems holds whole points)"
+        else:
+            big = max(est.parts, key=est.parts.get)
+            key = {"attention": "tokens", "initial tokens": "tokens", "systems": "d", "series": "series"}.get(
+                big, "steps")
+            if spec.model is not None and key in ("tokens", "d"):
+                key = "prompts" if key == "tokens" else "name"
+            smaller = (self.micro or 1) > 1 and fits(1, 1)
+            advice = {"steps": "use fewer steps" + (f" (or micro_batch = 1: {self.micro} systems run at once "
+                                                    f"by default)" if smaller else ""),
+                      "tokens": "use fewer tokens", "d": "use a smaller d",
+                      "series": "ask for fewer series or fewer steps", "prompts": "use shorter prompts",
+                      "name": "use a smaller model"}[key]
+        where = f"{spec.source}: [measure] series" if key == "series" else (
+            f"{spec.source}: [model] {key}" if key in ("prompts", "name") else self._where(key))
+        return (f"{where}: one chunk of {padded_size(size, self.mesh.size, self.micro):,} systems "
+                f"(group {group.index}: {_static_text(group.static)}) needs {est.describe()}, more than the "
+                f"{format_bytes(limit)} available; {advice}")
+
+    def _check_table(self) -> None:
+        """The whole table (every row's columns and series, as JSON-ready lists until the
+        DataFrame is built) must fit the host's memory."""
+        spec = self.spec
+        width = len(self.grid.columns(np.zeros(1, np.int64))) + len(columns.MEASURED)
+        cells = sum(g.n_systems * (width + (st.steps + 1) * sum(
+            (self._shapes(st)["tokens"] if k == "plane_angle" else 1) for k in st.series))
+            for g, st in zip(self.groups, self.statics))
+        need, avail = cells * LIST_BYTES, available_bytes()
+        if need > avail:
+            key = ("[measure] series" if any(st.series for st in self.statics) else
+                   "[model] prompts" if spec.model is not None else "[system] replicates")
+            raise ValueError(f"{spec.source}: {key}: the table of {self.grid.n_systems:,} systems needs about "
+                             f"{format_bytes(need)}, more than the {format_bytes(avail)} available; "
+                             f"use fewer systems{' or series' if 'series' in key else ''}")
+
+    def describe(self) -> str:
+        """What will run, in one line: systems, groups, chunks, memory per chunk."""
+        spec, plan = self.spec, self.plan
+        per = (f"{len(spec.model['prompts'])} prompts" if spec.model is not None
+               else f"{self.grid.replicates} replicates")
+        biggest = max(range(len(plan.groups)), key=lambda g: plan.estimates[g].total)
+        return (f"{self.grid.n_systems:,} systems ({self.grid.n_points:,} points x {per}) in {len(self.groups)} "
+                f"group{'s' * (len(self.groups) != 1)}, {len(plan):,} chunk{'s' * (len(plan) != 1)} of up to "
+                f"{max(plan.sizes):,} systems, about {format_bytes(plan.estimates[biggest].total)} per chunk "
+                f"({format_bytes(plan.limit)} available) on {self.mesh.size} {_platform()} "
+                f"device{'s' * (self.mesh.size != 1)}")
 
     # ------------------------------------------------------------------ inputs
 
@@ -241,10 +473,16 @@ class Engine:
         R = self.grid.replicates
         batches = []
         for p in points.tolist():
+            if p in self._built:                    # built by the checks
+                batches.append(self._built.pop(p))
+                continue
             point = {**self.spec.system, **self.spec.run,
                      **{k: self.grid.values(k, [p])[0] for k in self.grid.axes}, "point": p}
             seeds = system_seeds(self.spec.seed, np.full(R, p), np.arange(R))
-            batches.append(self.build(point, seeds, self.spec))
+            if self.spec.model is not None:
+                batches.append(self.build(point, seeds, self.spec))
+            else:
+                batches.append(call_builder(self.build, point, seeds, self.spec))
         return concat(batches)
 
     def systems_of(self, ids) -> Systems:
@@ -252,8 +490,8 @@ class Engine:
         rows were computed from (synthetic ones are rebuilt from their seeds)."""
         ids = np.asarray(ids, np.int64)
         R = self.grid.replicates
-        group = next(g for g in self.groups if np.isin(ids[0] // R, g.points))
-        if not np.isin(ids // R, group.points).all():
+        group = next(g for g in self.groups if g.contains(ids[:1] // R)[0])
+        if not group.contains(ids // R).all():
             raise ValueError("systems_of: the systems must belong to one group (equal static keys)")
         st = self.statics[group.index]
         with jax.enable_x64(st.x64):
@@ -278,6 +516,44 @@ class Engine:
         from jax.experimental import multihost_utils
         return multihost_utils.process_allgather(out, tiled=True)
 
+    # ------------------------------------------------------------------ stored chunks
+
+    def mismatch(self, chunk: Chunk, value) -> Optional[str]:
+        """Why a stored ``value`` is not chunk ``chunk`` of this sweep (None: it is): its
+        provenance (spec hash, group, index), its systems, its columns, its rows' checksum."""
+        if not isinstance(value, dict):
+            return f"holds {type(value).__name__ if value is not None else 'null'}, not a chunk"
+        prov, ids, cols = value.get("provenance"), value.get("system"), value.get("columns")
+        if not isinstance(prov, dict):
+            return "records no provenance"
+        if prov.get("spec") != self.hash:
+            return "was computed for another spec (or another checkpoint)"
+        if (prov.get("group"), prov.get("chunk")) != (chunk.group, chunk.index):
+            return f"is chunk {prov.get('chunk')} of group {prov.get('group')}, not this one"
+        if ids != self.groups[chunk.group].systems(chunk.start, chunk.stop).tolist():
+            return "holds other systems than this chunk's"
+        if not isinstance(cols, dict) or any(not isinstance(v, list) or len(v) != chunk.n for v in cols.values()) \
+                or not set(columns.MEASURED) <= set(cols):
+            return "does not hold one value of every column per system"
+        if prov.get("rows") != rows_checksum(ids, cols):
+            return "has rows that do not match its checksum (edited or damaged)"
+        return None
+
+    def load(self, chunk: Chunk):
+        """The stored chunk if it matches this sweep, else None (noting why: it is recomputed)."""
+        if self.store is None:
+            return None
+        name = self.prefix + chunk.name
+        value = stored(self.store, name)
+        if value is None:                           # absent (or a stored null: noted when it is replaced)
+            return None
+        why = self.mismatch(chunk, value)
+        if why is None:
+            return value
+        self._stale[name] = why
+        self.log(f"powerlens sweep: stored chunk {name} {why}; recomputing it")
+        return None
+
     # ------------------------------------------------------------------ one chunk
 
     def launch(self, chunk: Chunk):
@@ -290,7 +566,8 @@ class Engine:
         return chunk, ids, out, facts
 
     def finish(self, launched) -> dict:
-        """Wait for a dispatched chunk, reduce it to columns and store it (its owner only)."""
+        """Wait for a dispatched chunk, reduce it to columns and store it with its provenance
+        (its owner only)."""
         chunk, ids, out, facts = launched
         st = self.statics[chunk.group]
         with jax.enable_x64(st.x64):
@@ -298,54 +575,83 @@ class Engine:
         raw.update(facts)
         eps = float(np.finfo(np.float64 if st.x64 else np.float32).eps)
         cols = columns.reduce(raw, self.spec.measure, eps, st.series)
-        value = {"system": ids.tolist(), "columns": {**self.grid.columns(ids), **cols}}
+        rows = jsonable({"system": ids.tolist(), "columns": {**self.grid.columns(ids), **cols}})
+        value = {"provenance": {"spec": self.hash, "group": chunk.group, "chunk": chunk.index,
+                                "rows": rows_checksum(rows["system"], rows["columns"])}, **rows}
         if self.mode == "local" or self.rank == 0:
-            value = self.store.cached(self.prefix + chunk.name, lambda: value)
+            name = self.prefix + chunk.name
+            if name not in self._stale:
+                kept = self.store.cached(name, lambda: value)
+                why = self.mismatch(chunk, kept)
+                if why is None:
+                    return kept
+                self._stale[name] = why                  # a stored null: cached() returned it
+                self.log(f"powerlens sweep: stored chunk {name} {why}; recomputed it")
+            replace = getattr(self.store, "replace", None)   # a store without it keeps the chunk in memory
+            value = replace(name, value) if replace is not None else jsonable(value)
         return value
 
     # ------------------------------------------------------------------ the whole sweep
 
     def mine(self) -> List[Chunk]:
         if self.mode == "global":
-            return list(self.chunks)
-        return [c for j, c in enumerate(self.chunks) if j % self.nproc == self.rank]
+            return list(self.plan)
+        return self.plan.of_process(self.rank, self.nproc)
 
-    def run(self) -> SweepResult:
-        """Every chunk of this process (resumed ones loaded), a barrier, the merge on process 0."""
+    def run(self, store=None) -> SweepResult:
+        """Every chunk of this process (matching stored ones loaded), a barrier, the merge on
+        process 0 (which computes any chunk still missing or not matching)."""
         from tqdm.auto import tqdm
+        self.store = store if store is not None else self.store
         t0 = time.time()
         mine = self.mine()
-        values = {c.name: stored(self.store, self.prefix + c.name) for c in mine}
+        values = {c.name: self.load(c) for c in mine}
         todo = [c for c in mine if values[c.name] is None]
         total = sum(c.n for c in mine)
         bar = tqdm(total=total, initial=total - sum(c.n for c in todo), unit=" systems", unit_scale=True,
                    desc=self.desc or self.spec.name, disable=not self.progress, leave=True, dynamic_ncols=True)
         t1 = time.time()
-        pending = None
-        for c in todo + [None]:                       # launch chunk k+1, then reduce chunk k
-            launched = None if c is None else self.launch(c)
-            if pending is not None:
-                values[pending[0].name] = self.finish(pending)
-                bar.update(pending[0].n)
-            pending = launched
+        self._compute(todo, values, bar.update)
         bar.close()
         compute = time.time() - t1
         barrier("powerlens-sweep-done")
-        table = None
+        table, late = None, []
         if self.rank == 0:
-            for c in self.chunks:                      # the other processes' chunks
+            for c in self.plan:                         # the other processes' chunks
                 if values.get(c.name) is None:
-                    values[c.name] = stored(self.store, self.prefix + c.name)
-                if values[c.name] is None:
-                    raise ValueError(f"chunk {c.name} of the sweep is missing: a process did not finish it "
-                                     f"(run the sweep again to resume)")
-            table = columns.to_frame([values[c.name] for c in self.chunks])
-        groups = [{"static": g.static, "systems": g.n_systems,
-                   "chunks": sum(1 for c in self.chunks if c.group == g.index)} for g in self.groups]
-        return SweepResult(table=table, chunks=len(self.chunks), computed=len(todo), resumed=len(mine) - len(todo),
-                           systems_computed=sum(c.n for c in todo), seconds=time.time() - t0,
-                           compute_seconds=compute, devices=[str(d) for d in jax.devices()],
-                           processes=self.nproc, groups=groups)
+                    values[c.name] = self.load(c)
+                    if values[c.name] is None:
+                        late.append(c)
+            if late:
+                if self.mode == "global":
+                    raise ValueError(f"chunk {late[0].name} of the sweep is missing: run the sweep again to resume")
+                self._compute(late, values, lambda n: None)
+            table = columns.to_frame([values[c.name] for c in self.plan])
+        groups = [{"static": g.static, "systems": g.n_systems, "chunks": self.plan.counts[g.index]}
+                  for g in self.groups]
+        done = todo + late
+        return SweepResult(table=table, chunks=len(self.plan), computed=len(done),
+                           resumed=len(mine) - len(todo), systems_computed=sum(c.n for c in done),
+                           seconds=time.time() - t0, compute_seconds=compute,
+                           devices=[str(d) for d in jax.devices()], processes=self.nproc, groups=groups,
+                           non_finite=None if table is None else int((~table["finite"]).sum()),
+                           recomputed=len(self._stale))
+
+    def _compute(self, chunks: List[Chunk], values: dict, update: Callable[[int], Any]) -> None:
+        """Compute ``chunks`` into ``values``: launch chunk k+1, then reduce chunk k."""
+        pending = None
+        for c in list(chunks) + [None]:
+            launched = None if c is None else self.launch(c)
+            if pending is not None:
+                values[pending[0].name] = self.finish(pending)
+                update(pending[0].n)
+            pending = launched
+
+
+def _static_text(static: Mapping) -> str:
+    """A group's static keys that are set, for a message: ``d=4, tokens=4, steps=1000000000``."""
+    keys = ("d", "tokens", "heads", "steps", "rule")
+    return ", ".join(f"{k}={static[k]}" for k in keys if static.get(k) is not None)
 
 
 def barrier(name: str) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List
+import math
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
@@ -53,28 +54,63 @@ def system_seeds(spec_seed: int, point, replicate) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Points of one static combination.
+    """The points of one static combination: those whose static grid axes take the value
+    indices ``fixed``, i.e. every combination of the other (dynamic) axes. Nothing is
+    listed: a point's id is index arithmetic on the grid's ``shape``.
 
     Attributes:
+      index: the group's number (groups are numbered in order of their first point).
       static: every static key's value for these points (and ``layer`` for none).
-      points: "int64[P]" the point indices, increasing.
       replicates: systems per point.
+      shape: the shape of the whole grid (one entry per axis).
+      fixed: (axis position, value index) of each static grid axis.
     """
 
     index: int
     static: Dict[str, Any]
-    points: np.ndarray
     replicates: int
+    shape: Tuple[int, ...] = ()
+    fixed: Tuple[Tuple[int, int], ...] = ()
+
+    @property
+    def n_points(self) -> int:
+        pinned = dict(self.fixed)
+        return math.prod(n for a, n in enumerate(self.shape) if a not in pinned)
 
     @property
     def n_systems(self) -> int:
-        return int(self.points.size) * self.replicates
+        return self.n_points * self.replicates
+
+    def point_ids(self, local) -> np.ndarray:
+        """"int64[P]" the grid point ids of this group's points ``local`` (0 .. n_points-1),
+        increasing with ``local``."""
+        local = np.asarray(local, np.int64)
+        pinned = dict(self.fixed)
+        free = [a for a in range(len(self.shape)) if a not in pinned]
+        idx = np.unravel_index(local, [self.shape[a] for a in free]) if free else ()
+        full = dict(zip(free, idx))
+        full = [full[a] if a in full else np.full(local.shape, pinned[a], np.int64) for a in range(len(self.shape))]
+        return np.ravel_multi_index(full, self.shape).astype(np.int64) if self.shape else local
+
+    @property
+    def points(self) -> np.ndarray:
+        """"int64[P]" every point id of the group, increasing (built on demand)."""
+        return self.point_ids(np.arange(self.n_points, dtype=np.int64))
+
+    def contains(self, points) -> np.ndarray:
+        """"bool[P]" whether each grid point id belongs to this group."""
+        points = np.asarray(points, np.int64)
+        idx = np.unravel_index(points, self.shape) if self.shape else ()
+        out = np.ones(points.shape, bool)
+        for a, i in self.fixed:
+            out &= idx[a] == i
+        return out
 
     def systems(self, start: int = 0, stop: int = None) -> np.ndarray:
         """"int64[S]" global system ids of this group's systems [start, stop)."""
         stop = self.n_systems if stop is None else stop
         local = np.arange(start, stop, dtype=np.int64)
-        return self.points[local // self.replicates] * self.replicates + local % self.replicates
+        return self.point_ids(local // self.replicates) * self.replicates + local % self.replicates
 
 
 class Grid:
@@ -115,22 +151,18 @@ class Grid:
         return np.broadcast_to(v, points.shape + v.shape).copy()
 
     def groups(self) -> List[Group]:
-        """The points split by static combination, in order of their first point."""
-        static_axes = [k for k in self.axes if k in STATIC]
-        points = np.arange(self.n_points, dtype=np.int64)
-        if static_axes:
-            codes = np.ravel_multi_index([self.indices(k, points) for k in static_axes],
-                                         [len(self.axes[k]) for k in static_axes])
-        else:
-            codes = np.zeros(self.n_points, np.int64)
-        _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
-        order = np.argsort(first, kind="stable")
+        """The points split by static combination, in order of their first point (the static
+        axes' value indices in C order: no point is listed)."""
+        keys = list(self.axes)
+        static_axes = [a for a, k in enumerate(keys) if k in STATIC]
+        static_shape = [self.shape[a] for a in static_axes]
         out = []
-        for g, u in enumerate(order):
-            pts = points[inverse == u]
-            p0 = int(pts[0])
-            static = {k: (self.values(k, [p0])[0] if k in self.axes else self._fixed(k)) for k in STATIC}
-            out.append(Group(index=g, static=static, points=pts, replicates=self.replicates))
+        for g in range(math.prod(static_shape)):
+            idx = [int(i) for i in np.unravel_index(g, static_shape)] if static_axes else []
+            fixed = tuple(zip(static_axes, idx))
+            pinned = {keys[a]: self.axes[keys[a]][i] for a, i in fixed}
+            static = {k: (pinned[k] if k in pinned else self._fixed(k)) for k in STATIC}
+            out.append(Group(index=g, static=static, replicates=self.replicates, shape=self.shape, fixed=fixed))
         return out
 
     def _fixed(self, key):

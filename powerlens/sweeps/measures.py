@@ -1,11 +1,14 @@
 """What the compiled program measures for one system: one call of :func:`powerlens.run`.
 
 ``measure(systems, static)`` runs the system's schedule from x0 with the observers
-``alignment``, ``consensus``, ``final`` and the sweep's own per-state observers below,
+``alignment``, ``consensus``, ``finite``, ``final`` and the sweep's own per-state observers below,
 and returns the raw per-system outputs that :mod:`powerlens.sweeps.columns` reduces to
 one row (T steps, n tokens, d width)::
 
     consensus      "float[T+1]"   mu(X_t)
+    finite         "bool[T+1]"    every valid token of X_t finite and non-zero (the scan's own
+                                  ``finite`` observer): a row measured on a non-finite state
+                                  reports no numbers
     gamma, rho     "float[T]"     against the principal reference
     rotation       "float[T]"     angle step in the principal plane (NaN unless a complex pair)
     direction_tan  "float[T+1]"   tan of the angle between the token mean and the shifted
@@ -22,7 +25,7 @@ from typing import Callable, Dict
 import jax
 import jax.numpy as jnp
 
-from ..dynamics.observers import alignment, consensus, final, per_state
+from ..dynamics.observers import alignment, consensus, final, finite, per_state
 from ..dynamics.run import run
 from .systems import Static, Systems
 
@@ -47,7 +50,7 @@ def measure(sy: Systems, st: Static) -> Dict[str, jax.Array]:
     """The raw outputs of one system (module docstring); the spectral facts of ``sy`` that
     are set (lam, dim, v1) pass through."""
     keep_bias = st.keep_bias or None
-    obs = {"alignment": alignment(sy.subspaces), "consensus": consensus(), "final": final(),
+    obs = {"alignment": alignment(sy.subspaces), "consensus": consensus(), "finite": finite(), "final": final(),
            "direction_tan": per_state(mean_tangent(sy.direction))}
     if sy.top2 is not None:
         obs["top2_tan"] = per_state(mean_tangent(sy.top2))

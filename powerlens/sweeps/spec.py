@@ -4,7 +4,8 @@
     seed = 0
     [grid]     any [system] or [run] key as a list: every combination is one point
     [system]   the synthetic system of every point (d, tokens, heads, beta, kind, spectrum,
-               top, rest, imag, pair, nonnormality, init, cone, noise, replicates, builder)
+               top, rest, imag, pair, nonnormality, init, cone, noise, replicates, builder,
+               builder_path)
     [run]      the dynamics (steps, attention, rule, order, keep_bias, x64) and how it runs:
                chunk_size (0: from a memory estimate), micro_batch ("auto", "all" or a count)
     [measure]  how the measured columns are taken (fit windows, rotation_steps, thresholds,
@@ -12,9 +13,19 @@
     [model]    instead of a synthetic system: name, layers ("all" or a list), prompts
 
 Every error is a one-line ``ValueError`` naming the file, the table and the key:
-malformed TOML, an unknown table or key, a list where a scalar is needed, a negative
-count, heads that do not divide d, an empty grid, a grid larger than
-:data:`MAX_POINTS` points, an unknown model.
+malformed TOML, a file that is not UTF-8 or is nested too deeply, an unknown table or key,
+a list where a scalar is needed, a negative count, more than :data:`MAX_STEPS` steps, a
+seed outside 0 .. 2^64-1, heads that do not divide d, an empty grid, a grid larger than
+:data:`MAX_POINTS` points or :data:`MAX_GROUPS` static combinations, more than
+:data:`MAX_SYSTEMS` systems (points x replicates, or x prompts), a value that is not
+finite in the precision it will be used in (float32 unless x64), ``rule = "full"`` on a
+synthetic system (it has no FFN), an unknown model.
+
+A custom builder (``builder = "module:function"``) is user code: powerlens imports and
+runs it as it is, with the rights of the user. Its module is imported only if it is
+installed (found on ``sys.path`` without the current directory: a file that happens to lie
+where the command runs is never imported), or from the file that ``builder_path`` names
+(relative to the spec's folder). It is imported only once the rest of the spec is valid.
 """
 from __future__ import annotations
 
@@ -24,6 +35,8 @@ import math
 import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import numpy as np
 
 from ..analysis.spectra import ORDERS
 from ..dynamics.attention import ATTENTION_MODES
@@ -36,6 +49,16 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 MAX_POINTS = 10_000_000
+"""Grid points a spec may have."""
+MAX_SYSTEMS = 10_000_000
+"""Systems (rows) a sweep may have: points x replicates (x prompts in a model sweep)."""
+MAX_GROUPS = 10_000
+"""Static combinations (one compilation each) a grid may have."""
+MAX_STEPS = 2 ** 31 - 1
+"""Steps of one system at most (the schedule's index is an int32)."""
+MAX_SEED = 2 ** 64 - 1
+SHOW = 80
+"""Characters of a bad value shown in a message."""
 INITS = ("sphere", "cone", "bipartite")
 SERIES = ("consensus", "gamma", "rotation", "direction_tan", "top2_tan", "plane_angle")
 
@@ -53,20 +76,31 @@ def _fail(where: str, msg: str):
     raise ValueError(f"{where}: {msg}")
 
 
+def show(v) -> str:
+    """A value for a message: its JSON (repr if it has none), cut to :data:`SHOW` characters."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(v)
+    return text if len(text) <= SHOW else text[:SHOW - 4] + " ..."
+
+
 def _scalar(v, where):
     if isinstance(v, (list, dict)):
-        _fail(where, f"{json.dumps(v)} is a list where a scalar is needed (a list of values belongs in [grid])")
+        _fail(where, f"{show(v)} is a list where a scalar is needed (a list of values belongs in [grid])")
     return v
 
 
-def count(minimum: int = 1, default: int = 1, griddable: bool = True) -> Key:
+def count(minimum: int = 1, default: int = 1, griddable: bool = True, maximum: Optional[int] = None) -> Key:
     def check(v, where):
         _scalar(v, where)
         if isinstance(v, bool) or not isinstance(v, int):
-            _fail(where, f"must be an integer, got {v!r}")
+            _fail(where, f"must be an integer, got {show(v)}")
         if v < minimum:
             word = "negative" if v < 0 else "too small"
             _fail(where, f"{word} count {v}: must be an integer >= {minimum}")
+        if maximum is not None and v > maximum:
+            _fail(where, f"{v} is too large: must be an integer <= {maximum:,}")
         return int(v)
     return Key(default, check, griddable)
 
@@ -75,7 +109,7 @@ def real(default: float, lo: float = -math.inf, hi: float = math.inf) -> Key:
     def check(v, where):
         _scalar(v, where)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            _fail(where, f"must be a finite number, got {v!r}")
+            _fail(where, f"must be a finite number, got {show(v)}")
         if not lo <= v <= hi:
             _fail(where, f"must lie in [{lo}, {hi}], got {v!r}")
         return float(v)
@@ -86,7 +120,7 @@ def choice(options, default) -> Key:
     def check(v, where):
         _scalar(v, where)
         if v not in options:
-            _fail(where, f"unknown value {v!r}; expected one of {', '.join(map(str, options))}")
+            _fail(where, f"unknown value {show(v)}; expected one of {', '.join(map(str, options))}")
         return v
     return Key(default, check)
 
@@ -95,7 +129,7 @@ def flag(default: bool) -> Key:
     def check(v, where):
         _scalar(v, where)
         if not isinstance(v, bool):
-            _fail(where, f"must be true or false, got {v!r}")
+            _fail(where, f"must be true or false, got {show(v)}")
         return v
     return Key(default, check)
 
@@ -105,7 +139,7 @@ def interval(default) -> Key:
     def check(v, where):
         if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                              and math.isfinite(x) for x in v)) or v[0] > v[1]:
-            _fail(where, f"must be a range [lo, hi] of two finite numbers with lo <= hi, got {json.dumps(v)}")
+            _fail(where, f"must be a range [lo, hi] of two finite numbers with lo <= hi, got {show(v)}")
         return [float(v[0]), float(v[1])]
     return Key(default, check)
 
@@ -119,7 +153,7 @@ def window(default="auto") -> Key:
             return v
         lo, hi = rng(v, where)
         if not 0 < lo < hi:
-            _fail(where, f"must be \"auto\" or [lo, hi] with 0 < lo < hi, got {json.dumps(v)}")
+            _fail(where, f"must be \"auto\" or [lo, hi] with 0 < lo < hi, got {show(v)}")
         return [lo, hi]
     return Key(default, check, griddable=False)
 
@@ -135,11 +169,12 @@ def batch(default="auto") -> Key:
     return Key(default, check, griddable=False)
 
 
-def text(default, griddable=True) -> Key:
+def text(default, griddable=True, empty: bool = False) -> Key:
+    """A string (non-empty unless ``empty``)."""
     def check(v, where):
         _scalar(v, where)
-        if not isinstance(v, str) or not v.strip():
-            _fail(where, f"must be a non-empty string, got {v!r}")
+        if not isinstance(v, str) or not (v.strip() or empty):
+            _fail(where, f"must be a {'' if empty else 'non-empty '}string, got {show(v)}")
         return v
     return Key(default, check, griddable)
 
@@ -159,7 +194,7 @@ def spectrum() -> Key:
 def names(options=None, default=(), nonempty=False) -> Key:
     def check(v, where):
         if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
-            _fail(where, f"must be a list of non-empty strings, got {json.dumps(v)}")
+            _fail(where, f"must be a list of non-empty strings, got {show(v)}")
         if nonempty and not v:
             _fail(where, "must not be empty")
         bad = [x for x in v if options is not None and x not in options]
@@ -174,13 +209,13 @@ def layer_list() -> Key:
         if v == "all":
             return v
         if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            _fail(where, f"must be \"all\" or a non-empty list of layer indices, got {json.dumps(v)}")
+            _fail(where, f"must be \"all\" or a non-empty list of layer indices, got {show(v)}")
         return list(v)
     return Key("all", check, griddable=False)
 
 
 SCHEMA: Dict[str, Dict[str, Key]] = {
-    "": {"name": text("sweep", griddable=False), "seed": count(0, 0, griddable=False)},
+    "": {"name": text("sweep", griddable=False), "seed": count(0, 0, griddable=False, maximum=MAX_SEED)},
     "system": {
         "d": count(1, 16), "tokens": count(1, 16), "heads": count(1, 1), "beta": real(1.0),
         "kind": choice(KINDS, "symmetric"), "spectrum": spectrum(),
@@ -188,9 +223,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "pair": real(0.0, 0.0, 1.0), "nonnormality": real(1.0, 0.0),
         "init": choice(INITS, "sphere"), "cone": real(0.5, 0.0, math.pi), "noise": real(0.02, 0.0),
         "replicates": count(1, 1, griddable=False), "builder": text("synthetic", griddable=False),
+        "builder_path": text("", griddable=False, empty=True),
     },
     "run": {
-        "steps": count(1, 100), "attention": choice(ATTENTION_MODES, "softmax"), "rule": choice(RULES, "paper"),
+        "steps": count(1, 100, maximum=MAX_STEPS), "attention": choice(ATTENTION_MODES, "softmax"),
+        "rule": choice(RULES, "paper"),
         "order": choice(ORDERS, "shifted"), "keep_bias": flag(False), "x64": flag(False),
         "chunk_size": count(0, 0, griddable=False), "micro_batch": batch(),
     },
@@ -276,14 +313,25 @@ def differing_keys(a: Mapping, b: Mapping) -> List[str]:
 
 
 def read_toml(path: str) -> dict:
-    """The raw table of a TOML file; a malformed file is one ValueError naming the file and line."""
+    """The raw table of a TOML file; a malformed, non-UTF-8 or too deeply nested file is one
+    ValueError naming the file (and the line, for malformed TOML)."""
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: malformed TOML: {' '.join(str(exc).split())}") from None
+            data = fh.read()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the spec ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); "
+                         f"a spec is a UTF-8 TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: malformed TOML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a sweep spec") from None
 
 
 def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
@@ -292,7 +340,13 @@ def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
     if isinstance(source, Spec):
         raw, where = source.to_dict(), source.source
     elif isinstance(source, Mapping):
-        raw, where = json.loads(json.dumps(source)), "<dict>"
+        where = "<dict>"
+        try:
+            raw = json.loads(json.dumps(source))
+        except RecursionError:
+            raise ValueError(f"{where}: nested too deeply to be a sweep spec") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: not a spec of tables, lists, strings, numbers and booleans ({exc})") from None
     else:
         where = os.fspath(source)
         raw = read_toml(where)
@@ -306,6 +360,13 @@ def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
 
 def parse(raw: Mapping, source: str = "<dict>") -> Spec:
     """Validate a raw spec table (see the module docstring for the rules)."""
+    try:
+        return _parse(raw, source)
+    except RecursionError:
+        raise ValueError(f"{source}: nested too deeply to be a sweep spec") from None
+
+
+def _parse(raw: Mapping, source: str) -> Spec:
     where = lambda table, key=None: f"{source}: [{table}]" + ("" if key is None else f" {key}") if table else \
         f"{source}: {key}"
     top = {}
@@ -320,7 +381,32 @@ def parse(raw: Mapping, source: str = "<dict>") -> Spec:
             _fail(f"{source}: {key}", f"unknown key; expected name, seed or the tables {', '.join(TABLES)}")
         top[key] = SCHEMA[""][key].check(value, where("", key))
     model = raw.get("model")
-    schema = {**SCHEMA, "system": {**SCHEMA["system"], **builder_keys(raw.get("system", {}), where)}}
+    system = raw.get("system", {})
+    builder = {k: SCHEMA["system"][k].check(system[k], where("system", k))
+               for k in ("builder", "builder_path") if k in system and model is None}
+    name = builder.get("builder", "synthetic")
+    if name != "synthetic" and ":" not in name:
+        _fail(where("system", "builder"), f"must be \"synthetic\" or \"module:function\", got {name!r}")
+    if builder.get("builder_path") and name == "synthetic":
+        _fail(where("system", "builder_path"), "names the file of a custom builder; give builder = \"module:function\"")
+    schema = SCHEMA
+    if name != "synthetic":       # the rest first (the builder's own keys aside): user code runs only on a valid spec
+        _tables(raw, where, schema, defer=True)
+        extra = builder_keys(name, _builder_file(builder.get("builder_path", ""), source), where)
+        schema = {**SCHEMA, "system": {**SCHEMA["system"], **extra}}
+    tables, grid = _tables(raw, where, schema)
+    system = tables.get("system", {}) if model is None else {}
+    spec = Spec(name=top.get("name", "sweep"), seed=top.get("seed", 0), grid=grid, system=system,
+                run=tables["run"], measure=tables["measure"], model=tables.get("model"), source=source)
+    _check_points(spec, where)
+    return spec
+
+
+def _tables(raw: Mapping, where, schema, defer: bool = False):
+    """(tables, grid): every table's keys checked and defaulted, the grid keys moved out.
+    ``defer``: keys that [system] or [grid] do not know are skipped (a custom builder's own
+    keys, checked once it is imported)."""
+    model = raw.get("model")
     tables = {}
     for table in ("system", "run", "measure", "model"):
         given = dict(raw.get(table, {}))
@@ -331,6 +417,8 @@ def parse(raw: Mapping, source: str = "<dict>") -> Spec:
         out = {}
         for key, value in given.items():
             if key not in schema[table]:
+                if defer and table == "system":
+                    continue
                 _fail(where(table, key), f"unknown key; expected one of {', '.join(schema[table])}")
             out[key] = schema[table][key].check(value, where(table, key))
         for key, k in schema[table].items():
@@ -339,48 +427,60 @@ def parse(raw: Mapping, source: str = "<dict>") -> Spec:
                     _fail(where(table, key), "is required")
                 out[key] = k.default
         tables[table] = out
-    grid = _grid(raw.get("grid", {}), tables, model is not None, where, schema)
-    system = tables.get("system", {}) if model is None else {}
-    spec = Spec(name=top.get("name", "sweep"), seed=top.get("seed", 0), grid=grid, system=system,
-                run=tables["run"], measure=tables["measure"], model=tables.get("model"), source=source)
-    _check_points(spec, where)
-    return spec
+    grid = _grid(raw.get("grid", {}), tables, model is not None, where, schema, defer)
+    return tables, grid
 
 
-def builder_keys(system: Mapping, where) -> Dict[str, Key]:
-    """The extra [system]/[grid] keys a custom builder reads: its ``keys`` attribute
+def _builder_file(path: str, source: str) -> str:
+    """``builder_path`` as a path: relative to the spec file's folder (to the current
+    directory for a spec given as a dict); "" for none."""
+    if not path:
+        return ""
+    if os.path.isabs(path) or source.startswith("<"):
+        return os.path.abspath(path)
+    return os.path.join(os.path.dirname(os.path.abspath(source)), path)
+
+
+def builder_keys(name: str, path: str, where) -> Dict[str, Key]:
+    """The extra [system]/[grid] keys the custom builder ``name`` reads (imported as
+    :func:`~powerlens.sweeps.systems.host_builder` does): its ``keys`` attribute
     ``{name: default}`` (scalars of the default's type)."""
-    name = system.get("builder", "synthetic")
-    if not isinstance(name, str) or name == "synthetic":
-        return {}
-    if ":" not in name:
-        _fail(where("system", "builder"), f"must be \"synthetic\" or \"module:function\", got {name!r}")
     from .systems import host_builder
     try:
-        fn = host_builder(name)
+        fn = host_builder(name, path)
     except ValueError as exc:
-        _fail(where("system", "builder"), str(exc).split(": ", 1)[-1])
+        _fail(where("system", "builder_path" if path else "builder"), str(exc).split(": ", 1)[-1])
+    declared = getattr(fn, "keys", {})
+    if not isinstance(declared, Mapping):
+        _fail(where("system", "builder"),
+              f"{name}.keys must be a dict {{name: default}}, got {type(declared).__name__}")
     out = {}
-    for key, default in getattr(fn, "keys", {}).items():
-        if any(key in t for t in SCHEMA.values()):
+    for key, default in declared.items():
+        if not isinstance(key, str) or any(key in t for t in SCHEMA.values()):
             _fail(where("system", "builder"), f"{name} declares the key {key!r}, which the spec already has")
+        if isinstance(default, (list, dict)) or default is None:
+            _fail(where("system", "builder"), f"{name} declares the key {key!r} with the default {show(default)}; "
+                                              f"a builder key is a number, a string or a boolean")
         kind = float if isinstance(default, float) else type(default)
 
         def check(v, w, kind=kind):
             _scalar(v, w)
             if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float) if kind is float else kind):
-                _fail(w, f"must be of type {kind.__name__}, got {v!r}")
+                _fail(w, f"must be of type {kind.__name__}, got {show(v)}")
             return kind(v)
         out[key] = Key(default, check)
     return out
 
 
-def _grid(raw_grid: Mapping, tables: dict, is_model: bool, where, schema=SCHEMA) -> Dict[str, list]:
+def _grid(raw_grid: Mapping, tables: dict, is_model: bool, where, schema=SCHEMA, defer: bool = False
+          ) -> Dict[str, list]:
     """Move every grid key out of its table; each grid value is checked like a fixed one."""
     owner = {key: table for table in ("system", "run") for key in schema[table]}
     grid = {}
     for key, values in raw_grid.items():
         if key not in owner or (is_model and owner[key] == "system"):
+            if defer and key not in owner:
+                continue
             allowed = [k for k, t in owner.items() if schema[t][k].griddable and not (is_model and t == "system")]
             _fail(where("grid", key), f"unknown grid key; expected some of {', '.join(allowed)}")
         table = owner[key]
@@ -388,30 +488,51 @@ def _grid(raw_grid: Mapping, tables: dict, is_model: bool, where, schema=SCHEMA)
         if not k.griddable:
             _fail(where("grid", key), f"cannot be a grid key; give it once in [{table}]")
         if not isinstance(values, list):
-            _fail(where("grid", key), f"must be a list of values, got {json.dumps(values)}")
+            _fail(where("grid", key), f"must be a list of values, got {show(values)}")
         if not values:
             _fail(where("grid", key), "has no values: an empty grid")
+        if len(values) > MAX_POINTS:
+            _fail(where("grid", key), f"has {len(values):,} values; a grid has at most {MAX_POINTS:,} points")
         if isinstance(k.default, list) and not all(isinstance(v, list) for v in values):
-            _fail(where("grid", key), f"each value must be a range [lo, hi], got {json.dumps(values)}")
+            _fail(where("grid", key), f"each value must be a range [lo, hi], got {show(values)}")
         grid[key] = [k.check(v, where("grid", key)) for v in values]
-        if len({json.dumps(v) for v in grid[key]}) != len(grid[key]):
-            _fail(where("grid", key), f"repeats a value: {json.dumps(values)}")
+        if len({tuple(v) if isinstance(v, list) else (type(v), v) for v in grid[key]}) != len(grid[key]):
+            _fail(where("grid", key), f"repeats a value: {show(values)}")
         tables[table].pop(key, None)
-    if not grid:
+    if not grid and not defer:
         _fail(where("grid"), "is empty or missing: an empty grid (give at least one key with a list of values)")
     return grid
 
 
 def _check_points(spec: Spec, where) -> None:
-    """Sizes, heads dividing d, explicit spectra fitting d, the model: before any point is expanded."""
+    """Sizes, heads dividing d, explicit spectra fitting d, the values' precision, the model:
+    before any point is expanded."""
+    if spec.model is not None:
+        _check_model(spec, where)
     n = spec.n_points
     if n > MAX_POINTS:
         sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items())
         _fail(where("grid"), f"has {n:,} points ({sizes}); at most {MAX_POINTS:,} are allowed")
+    from .grid import STATIC
+    groups = math.prod(len(v) for k, v in spec.grid.items() if k in STATIC)
+    if groups > MAX_GROUPS:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items() if k in STATIC)
+        _fail(where("grid"), f"has {groups:,} combinations of the keys that change shapes or code ({sizes}), one "
+                             f"compilation each; at most {MAX_GROUPS:,} are allowed")
+    if spec.n_systems > MAX_SYSTEMS:
+        if spec.model is not None:
+            key, what = where("model", "prompts"), f"{len(spec.model['prompts']):,} prompts"
+        else:
+            key, what = where("system", "replicates"), f"{spec.replicates:,} replicates"
+        _fail(key, f"{n:,} point{'s' * (n != 1)} x {what} = {spec.n_systems:,} systems; a sweep has at most "
+                   f"{MAX_SYSTEMS:,} (one row each)")
+    values = lambda key: spec.grid.get(key, [spec.value(key)] if key in spec.system or key in spec.run else [])
+    at = lambda key: where("grid" if key in spec.grid else ("run" if key in spec.run else "system"), key)
     if spec.model is not None:
-        _check_model(spec, where)
         return
-    values = lambda key: spec.grid.get(key, [spec.system.get(key)])
+    if "full" in values("rule") and spec.system["builder"] == "synthetic":
+        _fail(at("rule"), "\"full\" runs the model's own block, FFN included, and a synthetic system has none; "
+                          "use paper, post_ln or pre_ln (or a [model] sweep)")
     for d in values("d"):
         for h in values("heads"):
             if d % h:
@@ -421,20 +542,62 @@ def _check_points(spec: Spec, where) -> None:
             if s != "random":
                 need = sum(2 if z.imag else 1 for z in parse_spectrum(s))
                 if need > d:
-                    _fail(where("system", "spectrum"), f"{s!r} needs d >= {need} (a complex entry counts twice), "
-                                                       f"got d={d}")
-    if spec.system["init"] == "bipartite" and "init" not in spec.grid and min(values("tokens")) < 2:
-        _fail(where("system", "tokens"), "a bipartite start needs at least 2 tokens")
+                    _fail(at("spectrum"), f"{s!r} needs d >= {need} (a complex entry counts twice), got d={d}")
+    if "bipartite" in values("init") and min(values("tokens")) < 2:
+        _fail(at("tokens"), "a bipartite start needs at least 2 tokens")
     if "symmetric" in values("kind"):
         for s in values("spectrum"):
             if s != "random" and any(z.imag for z in parse_spectrum(s)):
-                _fail(where("system", "spectrum"), f"{s!r} has a complex pair, but kind = \"symmetric\" "
-                                                   f"needs a real spectrum (use normal or nonnormal)")
+                _fail(at("spectrum"), f"{s!r} has a complex pair, but kind = \"symmetric\" "
+                                      f"needs a real spectrum (use normal or nonnormal)")
+    if spec.system["builder"] == "synthetic":        # a custom builder makes its own arrays
+        _check_precision(spec, values, at)
+
+
+def _check_precision(spec: Spec, values, at) -> None:
+    """Every number a synthetic system is built from is finite in the dtype it is used in
+    (float32 unless every point has x64 = true), and so are a range's width hi - lo and
+    |1 + lambda| of an explicit spectrum's eigenvalues (the key they are ordered by)."""
+    from .grid import DYNAMIC              # the numbers a synthetic system is built from
+    x64 = all(values("x64"))
+    dt, name = (np.float64, "float64") if x64 else (np.float32, "float32")
+    where = f"{name}, the precision of {'every point' if x64 else 'the points with x64 = false'}"
+    advice = "use a smaller value" + ("" if x64 else " or x64 = true")
+
+    def fits(*xs) -> bool:
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(np.asarray(xs, np.float64).astype(dt)).all())
+
+    for key in DYNAMIC:                   # every value of a key at once (a grid axis may be long)
+        vals = values(key)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = np.asarray(vals, np.float64).astype(dt).reshape(len(vals), -1)
+            width = cast[:, 1] - cast[:, 0] if cast.shape[1] == 2 else np.zeros(len(vals), dt)
+        bad = ~np.isfinite(cast).all(axis=1)
+        if bad.any():
+            _fail(at(key), f"{show(vals[int(np.argmax(bad))])} overflows {where}; {advice}")
+        if not np.isfinite(width).all():
+            v = vals[int(np.argmax(~np.isfinite(width)))]
+            _fail(at(key), f"the width hi - lo of {show(v)} overflows {where}; {advice}")
+    for s in values("spectrum"):
+        if s == "random":
+            continue
+        for z in parse_spectrum(s):
+            with np.errstate(over="ignore", invalid="ignore"):
+                ok = fits(z.real, z.imag) and np.isfinite(np.hypot(dt(1.0) + dt(z.real), dt(z.imag)))
+            if not ok:
+                _fail(at("spectrum"), f"the eigenvalue {z:g} of {show(s)} (or |1 + lambda|) overflows {where}; "
+                                      f"{advice}")
 
 
 def _check_model(spec: Spec, where) -> None:
+    """The model exists; ``layers = "all"`` becomes the list of its unique layers (which loads
+    it; a list of layers is checked against the model when the sweep starts)."""
     from ..models.load import resolve
     try:
         resolve(spec.model["name"])
     except ValueError as exc:
         _fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")
+    if spec.model["layers"] == "all":
+        from .systems import model_layers
+        spec.model["layers"] = model_layers(spec)

@@ -2,7 +2,10 @@
 
 A store has one method, ``cached(name, compute)``: the stored value of chunk ``name``, or
 ``compute()`` stored and returned (values go through JSON both ways, so a resumed sweep
-gives exactly the numbers of an uninterrupted one). Three kinds:
+gives exactly the numbers of an uninterrupted one); and may have ``replace(name, value)``,
+which stores a recomputed chunk in place of one that did not match its sweep (the engine
+checks every stored chunk's provenance: :meth:`powerlens.sweeps.engine.Engine.mismatch`).
+Three kinds:
 
 * :class:`ChunkFolder`: ``OUT/.chunks/NAME.json`` of a ``powerlens sweep`` folder, written
   atomically; every process of a multi-process sweep writes its own chunks there;
@@ -10,15 +13,15 @@ gives exactly the numbers of an uninterrupted one). Three kinds:
 * ``reproduce``'s own :class:`~powerlens.reproduce.store.ChunkStore` (same protocol).
 
 Folder rules (:func:`check_folder`): an absent or empty folder starts a sweep; a folder
-this spec wrote resumes; a folder with a different spec is refused naming the keys that
-differ, and one powerlens did not write (no marker) is refused, unless ``overwrite``
-(then it is emptied and started afresh).
+this spec wrote resumes; a sweep with a different spec, or another command's folder, is
+refused naming the difference, unless ``overwrite`` (then what powerlens wrote there is
+removed and the sweep starts afresh). A folder holding anything powerlens did not write is
+always refused.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any, Callable, Dict
 
 from .. import io
@@ -26,6 +29,8 @@ from .spec import differing_keys
 
 CHUNKS = ".chunks"
 COMMAND = "sweep"
+FILES = ("results.parquet", "results.csv", "sweep.json", "report.html")   # what a finished sweep writes ...
+FOLDERS = {CHUNKS: "*.json", "figures": "*.png"}                         # ... beside its chunks and figures
 
 
 def jsonable(value: Any) -> Any:
@@ -45,6 +50,12 @@ class MemoryStore:
             self.loaded += 1
             return self.values[name]
         value = self.values[name] = jsonable(compute())
+        self.computed += 1
+        return value
+
+    def replace(self, name: str, value: Any) -> Any:
+        """Store ``value`` as chunk ``name``, in place of what was there."""
+        value = self.values[name] = jsonable(value)
         self.computed += 1
         return value
 
@@ -68,48 +79,36 @@ class ChunkFolder(MemoryStore):
                     value = json.load(fh)
                 self.loaded += 1
                 return value
-            except ValueError:
+            except (ValueError, RecursionError):        # damaged: recomputed
                 pass
-        value = jsonable(compute())
-        io.write_json(path, value)
+        return self.replace(name, compute())
+
+    def replace(self, name: str, value: Any) -> Any:
+        """Write ``value`` as chunk ``name`` (atomically), in place of what was there."""
+        value = jsonable(value)
+        io.write_json(self.path(name), value)
         self.computed += 1
         return value
 
 
 def check_folder(target: str, spec: dict, overwrite: bool) -> str:
-    """What to do with ``--out``: ``"start"``, ``"resume"`` or ``"replace"`` (see module
-    docstring); a ValueError naming the folder (and the keys that differ) when refused."""
-    state = io.folder_state(target)
-    if state in ("absent", "empty"):
-        return "start"
-    io.refuse_foreign(target, state, overwrite)
-    if state == "foreign":
-        return "replace"
-    marker = io.read_marker(target) or {}
-    if marker.get("command") != COMMAND:
-        if overwrite:
-            return "replace"
-        raise ValueError(f"--out {target} holds the output of `powerlens {marker.get('command')}`, not a sweep; "
-                         f"choose another folder or pass --overwrite to replace it")
-    old = (marker.get("settings") or {}).get("spec") or {}
-    keys = differing_keys(old, spec)
+    """What to do with ``--out``: ``"start"``, ``"resume"`` or ``"replace"``; a ValueError naming
+    the folder (and the keys that differ) when refused. The rule is :func:`powerlens.io.decide_folder`'s."""
+    return io.decide_folder(target, command=COMMAND, settings={"spec": spec}, overwrite=overwrite,
+                            resume=_spec_difference)
+
+
+def _spec_difference(old: dict, new: dict) -> str:
+    keys = differing_keys(old.get("spec") or {}, new["spec"])
     if not keys:
-        return "resume"
-    if overwrite:
-        return "replace"
+        return ""
     shown = ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
-    raise ValueError(f"--out {target} holds a sweep with a different spec (keys that differ: {shown}); "
-                     f"pass --overwrite to start afresh, or choose another folder")
+    return f"a sweep with a different spec (keys that differ: {shown})"
 
 
 def prepare_folder(target: str, spec: dict, action: str) -> None:
-    """Empty the folder for ``"replace"``, then mark it as this spec's sweep (process 0 only)."""
+    """For ``"replace"``, remove what powerlens wrote there; then mark the folder as this spec's
+    sweep, listing the files it will hold (process 0 only)."""
     if action == "replace":
-        for entry in os.listdir(target):
-            path = os.path.join(target, entry)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-    os.makedirs(target, exist_ok=True)
-    io.write_marker(target, COMMAND, {"spec": spec})
+        io.remove_owned(target)
+    io.mark_resumable(target, COMMAND, {"spec": spec}, files=FILES, folders=FOLDERS)

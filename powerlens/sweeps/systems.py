@@ -15,7 +15,9 @@ from one of three builders:
   prompts (:func:`model_systems`, host side, ``spectra_of`` for the subspaces);
 * ``builder = "module:function"``: any host function ``fn(point, seeds, spec) -> Systems``
   for the R replicates of one point (``point`` maps every key to its value; see
-  :func:`from_layers` to make one from :class:`~powerlens.dynamics.params.Layers`).
+  :func:`from_layers` to make one from :class:`~powerlens.dynamics.params.Layers`). A
+  builder is user code, imported and run as it is (:func:`host_builder`: from an installed
+  module, or from the file ``builder_path`` names, never from the current directory).
 
 Eigenvalue groups follow :mod:`powerlens.analysis.spectra`: the principal group is every
 eigenvalue whose key (|1+lambda| shifted, |lambda| plain) is within 1e-4 of the largest;
@@ -25,8 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
-from typing import Any, Dict, Optional, Sequence, Tuple
+import importlib.machinery
+import importlib.util
+import os
+import struct as _struct
+import sys
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -318,13 +326,101 @@ def concat(batches: Sequence[Systems]) -> Systems:
     return batches[0] if len(batches) == 1 else jax.tree_util.tree_map(cat, *batches)
 
 
-def host_builder(name: str):
-    """The function named by ``builder = "module:function"`` (a ValueError naming it if absent)."""
+def _is_here(entry: str) -> bool:
+    """Whether a ``sys.path`` entry is the current directory ('' and '.' included)."""
+    if entry in ("", "."):
+        return True
+    try:
+        return os.path.realpath(entry) == os.path.realpath(os.getcwd())
+    except (OSError, ValueError):
+        return False
+
+
+def _import_installed(module: str):
+    """``module`` imported from ``sys.path`` without the current directory (a module that is
+    imported already is taken as it is)."""
+    top = module.partition(".")[0]
+    if top not in sys.modules:
+        found = importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if not _is_here(p)])
+        if found is None:
+            here = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
+            hint = (f"; {top!r} lies in the current directory, which is never searched: name its file with "
+                    f"builder_path" if here is not None else "")
+            raise ImportError(f"no installed module named {top!r}{hint}")
+        mod = importlib.util.module_from_spec(found)
+        sys.modules[top] = mod
+        try:
+            found.loader.exec_module(mod)
+        except BaseException:
+            sys.modules.pop(top, None)
+            raise
+    return importlib.import_module(module)
+
+
+def _import_file(module: str, path: str):
+    """The module in the file ``path`` (a .py file), under the name ``module``."""
+    if not os.path.isfile(path):
+        raise ImportError(f"builder_path {path!r} is not a file")
+    name = f"powerlens_builder_{hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:12]}_{module}"
+    if name in sys.modules:
+        return sys.modules[name]
+    found = importlib.util.spec_from_file_location(name, path)
+    if found is None or found.loader is None:
+        raise ImportError(f"builder_path {path!r} is not a Python file")
+    mod = importlib.util.module_from_spec(found)
+    sys.modules[name] = mod
+    try:
+        found.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
+
+
+def host_builder(name: str, path: str = "") -> Callable:
+    """The user function named by ``builder = "module:function"`` (a ValueError naming it if
+    it cannot be had). A builder is user code: importing its module runs that module.
+
+    The module is imported from an installed package, i.e. ``sys.path`` without the current
+    directory (so a file that happens to lie where the command runs is never imported), or,
+    with ``path`` (the spec's ``builder_path``), from that file.
+    """
     module, _, attr = name.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        mod = _import_file(module, path) if path else _import_installed(module)
+        fn = getattr(mod, attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"[system] builder {name!r}: cannot import it ({exc})") from None
+    except Exception as exc:          # user code: any failure while importing it is one line naming it
+        raise ValueError(f"[system] builder {name!r}: importing it failed ({type(exc).__name__}: {exc})") from None
+    if not callable(fn):
+        raise ValueError(f"[system] builder {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def spec_builder(spec) -> Callable:
+    """The custom builder of a spec (its ``builder_path`` relative to the spec's folder)."""
+    from .spec import _builder_file
+    return host_builder(spec.system["builder"], _builder_file(spec.system.get("builder_path", ""), spec.source))
+
+
+def call_builder(fn: Callable, point: Dict[str, Any], seeds, spec) -> "Systems":
+    """``fn(point, seeds, spec)``, checked: a Systems with one system per replicate; anything
+    else (or a failure inside it) is one ValueError naming the builder and the point."""
+    where = f"{spec.source}: [system] builder {spec.system.get('builder')!r}"
+    try:
+        out = fn(point, seeds, spec)
+    except Exception as exc:
+        raise ValueError(f"{where} failed at point {point.get('point')} ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:300]})") from None
+    if not isinstance(out, Systems):
+        raise ValueError(f"{where} returned a {type(out).__name__}, not a powerlens.sweeps.systems.Systems "
+                         f"(make one with from_layers)")
+    n = np.shape(out.x0)[0] if np.ndim(out.x0) == 3 else None
+    if n != len(seeds):
+        raise ValueError(f"{where} returned x0 of shape {np.shape(out.x0)} at point {point.get('point')}; "
+                         f"expected ({len(seeds)}, n, d): one system per replicate")
+    return out
 
 
 # ------------------------------------------------------------------ model sweeps
@@ -347,13 +443,83 @@ def _model_spectrum(name: str, layer: int):
     return spectra_of(_model(name).layers.shared(layer, 1))
 
 
+def model_layers(spec) -> list:
+    """The layers a [model] sweep iterates: its list, each checked, or every unique layer for
+    ``"all"`` (the model is loaded: cached)."""
+    name, layers, source = spec.model["name"], spec.model["layers"], spec.source
+    U = _model(name).layers.n_unique
+    if layers == "all":
+        return list(range(U))
+    for layer in layers:
+        if not -U <= layer < U:
+            raise ValueError(f"{source}: [model] layers: layer {layer} does not exist ({name} has {U} unique layers)")
+    return list(layers)
+
+
+def check_model(spec) -> Dict[str, int]:
+    """Everything a model sweep needs, before it runs: the model (loaded), its layers, the
+    prompts (embedded: a prompt too long for the model is refused here). Returns the shapes
+    of its systems (d, tokens, heads, d_head, kv_heads) for the memory estimate."""
+    name, prompts = spec.model["name"], tuple(spec.model["prompts"])
+    model_layers(spec)
+    try:
+        x0, _ = _model_inputs(name, prompts)
+    except ValueError as exc:
+        raise ValueError(f"{spec.source}: [model] prompts: {' '.join(str(exc).split())}") from None
+    cfg = _model(name).layers.config
+    return {"d": cfg.d_model, "tokens": int(x0.shape[1]), "heads": cfg.n_heads, "d_head": cfg.d_head,
+            "kv_heads": cfg.n_kv_heads}
+
+
+HEADER_BYTES = 1 << 20
+"""Bytes of a file's head hashed when its format has no header to find (a pickle's zip)."""
+
+
+def _file_identity(path: str) -> Dict[str, Any]:
+    """size, mtime_ns and the sha256 of the file's header: a safetensors JSON header, a GGUF
+    file's metadata and tensor table, a zip's (pytorch_model.bin) central directory, a small
+    file's whole content."""
+    st = os.stat(path)
+    with open(path, "rb") as fh:
+        if path.endswith(".safetensors") and st.st_size >= 8:
+            (n,) = _struct.unpack("<Q", fh.read(8))
+            fh.seek(0)
+            head = fh.read(8 + min(n, st.st_size))
+        elif path.endswith(".gguf"):
+            from ..models.gguf_llama import GGUFFile
+            end = int(getattr(GGUFFile(path).reader, "data_offset", HEADER_BYTES))
+            head = fh.read(end)
+        elif path.endswith(".bin") and st.st_size > HEADER_BYTES:
+            fh.seek(st.st_size - HEADER_BYTES)            # a zip's directory (names, sizes, CRCs) is at its end
+            head = fh.read()
+        else:
+            head = fh.read(HEADER_BYTES)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": hashlib.sha256(head).hexdigest()}
+
+
+def checkpoint_identity(name: str) -> Dict[str, Dict[str, Any]]:
+    """What identifies the checkpoint of a [model] sweep, file by file (config, tokenizer and
+    weights; see :func:`_file_identity`), so that a sweep never resumes across a changed
+    checkpoint at the same path."""
+    from ..models.load import resolve
+    path = resolve(name)
+    if os.path.isfile(path):
+        return {os.path.basename(path): _file_identity(path)}
+    out = {}
+    for entry in sorted(os.listdir(path)):
+        full = os.path.join(path, entry)
+        if os.path.isfile(full) and (entry.endswith((".safetensors", ".bin", ".gguf", ".json", ".model", ".txt"))):
+            out[entry] = _file_identity(full)
+    return out
+
+
 def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:
     """The prompts of one point of a model sweep: layer ``point["layer"]`` iterated
     ``point["steps"]`` times as a shared-weight system, one system per prompt."""
     name, prompts = spec.model["name"], tuple(spec.model["prompts"])
     model = _model(name)
     layer = int(point["layer"])
-    if not -model.layers.n_unique <= layer < model.layers.n_unique:
+    if not -model.layers.n_unique <= layer < model.layers.n_unique:   # model_layers checked the spec's
         raise ValueError(f"{spec.source}: [model] layers: layer {layer} does not exist "
                          f"({name} has {model.layers.n_unique} unique layers)")
     dt = np.float64 if point["x64"] else np.float32

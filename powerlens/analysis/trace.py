@@ -1,0 +1,187 @@
+"""``trace``: one run of a model on prompts, with everything it shows under named fields.
+
+The Python twin of ``powerlens align`` and a researcher's activation cache in one result::
+
+    tr = trace(model, ["The capital of France is"], rule="full", attention_weights=True)
+    tr.inputs[t], tr.outputs[t]     # "float[B n d]" what layer t reads and writes (steps 0-based)
+    tr.attention[t]                 # "float[B H n n]" its softmax weights, per head
+    tr.gamma["principal"][t]        # gamma_t against that layer's principal subspace; also
+    tr.rho["random"][t]             #   "random" and "other_layer", the controls
+    tr.logits                       # "float[B n V]" (decoders), tr.next_logits "float[B V]"
+
+It is one :func:`powerlens.dynamics.run` (one ``lax.scan``, vmapped over the prompts) with
+the observers ``states``, ``alignment`` (against :func:`~powerlens.analysis.spectra.reference_subspaces`
+of the chosen ordering), ``consensus``, ``finite`` and, on request, ``attention_maps``; the
+logits are the LM head on its last state. Its gamma_t and rho_t are those of
+:func:`~powerlens.analysis.alignment.align_model` (the same pooling over prompts, weighted by
+valid tokens: :func:`~powerlens.dynamics.simulate.pooled`), and :attr:`Trace.measures` is the
+:class:`~powerlens.analysis.experiment.StepMeasures` that ``powerlens align`` writes to
+align.json for that ordering.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..dynamics.inputs import check_batch
+from ..dynamics.observers import alignment, attention_maps, consensus, finite, rotation_planes, states
+from ..dynamics.projections import prepared_projections
+from ..dynamics.run import map_prompts, platform_of, prompt_chunk, run
+from ..dynamics.simulate import Trajectory, pooled
+from .alignment import model_spectra, resolve_rule
+from .experiment import NonFiniteStateError, StepMeasures, first_non_finite, step_measures
+from .spectra import LayerSpectrum, check_order, reference_subspaces
+
+CONTROLS = ("principal", "random", "other_layer")
+"""The references every measure is labelled with: the layer's principal subspace, a random
+subspace of the same dimension, another layer's principal subspace."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """One run of a model on prompts (T steps of its schedule, B prompts right-padded to n
+    tokens, width d, H heads, vocabulary V). Steps and layers are numbered from 0: step t
+    applies unique layer ``layer[t]`` (= t for a model whose layers are all distinct).
+
+    Attributes:
+      rule: the rule run (``full``: the model's own blocks; ``paper``, ``post_ln``, ``pre_ln``).
+      order: the ordering of the references (``shifted`` or ``plain``).
+      ids: "int[B n]" the token ids; valid: "bool[B n]" False on padding.
+      layer: "int[T]" the unique layer applied at each step.
+      states: "float[T+1 B n d]" x_0 (the embeddings) .. x_T, the residual stream (no final
+        norm); ``inputs``/``outputs`` are its views per step.
+      attention: "float[T B H n n]" each step's attention weights per head (rows sum to 1;
+        padding queries uniform), or None unless asked for (``attention_weights=True``).
+      logits: "float[B n V]" the LM head on the final norm of x_T (decoders; None for an
+        encoder): the model's logits under rule ``full``.
+      measures: the pooled measures per state t = 0..T (index 0: x_0), exactly the ``steps``
+        of ``powerlens align``'s align.json for this ordering.
+      spectra: the spectra of the unique layers.
+    """
+
+    rule: str
+    order: str
+    ids: np.ndarray
+    valid: np.ndarray
+    layer: np.ndarray
+    states: jax.Array
+    attention: Optional[jax.Array]
+    logits: Optional[jax.Array]
+    measures: StepMeasures
+    spectra: List[LayerSpectrum]
+
+    @property
+    def inputs(self) -> jax.Array:
+        """"float[T B n d]": the tokens entering step t (``states[t]``)."""
+        return self.states[:-1]
+
+    @property
+    def outputs(self) -> jax.Array:
+        """"float[T B n d]": the tokens leaving step t (``states[t + 1]``)."""
+        return self.states[1:]
+
+    @property
+    def gamma(self) -> Dict[str, np.ndarray]:
+        """gamma_t "float[T]" of the tokens leaving step t, against each reference of that
+        step's layer: ``{"principal": ..., "random": ..., "other_layer": ...}`` (NaN where a
+        reference is undefined: no other layer in a one-layer model)."""
+        m = self.measures
+        return dict(zip(CONTROLS, (m.gamma[1:], m.gamma_random[1:], m.gamma_other_layer[1:])))
+
+    @property
+    def rho(self) -> Dict[str, np.ndarray]:
+        """rho_t "float[T]", the share of tokens whose gamma grows across step t, against each
+        reference (the keys of :attr:`gamma`)."""
+        m = self.measures
+        return dict(zip(CONTROLS, (m.rho[1:], m.rho_random[1:], m.rho_other_layer[1:])))
+
+    @property
+    def last(self) -> np.ndarray:
+        """"int[B]" the position of each prompt's last valid token."""
+        return self.valid.shape[1] - 1 - np.argmax(self.valid[:, ::-1], axis=1)
+
+    @property
+    def next_logits(self) -> Optional[jax.Array]:
+        """"float[B V]" the logits at each prompt's last valid token (the next-token
+        prediction; None for an encoder)."""
+        if self.logits is None:
+            return None
+        return self.logits[jnp.arange(self.logits.shape[0]), jnp.asarray(self.last)]
+
+    def __repr__(self) -> str:
+        shape = lambda a: "None" if a is None else "x".join(map(str, a.shape))
+        return (f"Trace(rule={self.rule!r}, order={self.order!r}, steps={len(self.layer)}, prompts={self.ids.shape[0]}, "
+                f"tokens={int(self.valid.sum())}, states={shape(self.states)}, attention={shape(self.attention)}, "
+                f"logits={shape(self.logits)})")
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "keep_bias", "maps", "chunk"))
+def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, keep_bias, maps, chunk):
+    """The observers of one run per prompt, states and attention maps steps-first."""
+    def one(x, v):
+        observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(),
+                     "finite": finite(), "states": states()}
+        if maps:
+            observers["attention"] = attention_maps(layers, rule=rule)
+        return run(layers, x, v, rule=rule, attention="softmax", observers=observers, keep_bias=keep_bias,
+                   projections=projections)
+
+    out_axes = {"alignment": 0, "consensus": 0, "finite": 0, "states": 1, **({"attention": 1} if maps else {})}
+    return map_prompts(one, X0, valid, chunk, out_axes=out_axes)
+
+
+def trace(model, prompts: Sequence, *, rule: str = "full", order: str = "shifted", attention_weights: bool = False,
+          keep_bias: Optional[bool] = None, seed: int = 0,
+          spectra: Optional[List[LayerSpectrum]] = None) -> Trace:
+    """Run ``model`` on ``prompts`` once and keep every state, the measures and the logits.
+
+    Args:
+      model: a loaded :class:`~powerlens.models.base.Model`.
+      prompts: texts (tokenized by the model's tokenizer) or token-id lists.
+      rule: ``full`` (default: the model's own blocks, FFN included, so ``logits`` are the
+        model's), ``paper``, ``post_ln``, ``pre_ln`` or ``faithful`` (the model's attention-only rule).
+      order: the ordering of the reference subspaces, ``shifted`` (by |1 + lambda|) or ``plain``.
+      attention_weights: also keep every step's attention weights per head, "float[T B H n n]"
+        (O(T B H n^2) memory).
+      keep_bias: keep the constant c = O b_v + b_o (default: dropped by ``paper`` only).
+      seed: the seed of the random-subspace control (as ``powerlens align --seed``).
+      spectra: the spectra of the model's layers, when computed already (``model_spectra``).
+
+    Returns a :class:`Trace`. Raises a :class:`~powerlens.analysis.experiment.NonFiniteStateError`
+    naming the first step whose state or measure is not finite.
+    """
+    from ..models.embed import embed_ids, padded_ids, prompt_ids
+    from ..models.forward import logits as model_logits
+    r = resolve_rule(model, rule)
+    check_order(order)
+    if not isinstance(attention_weights, bool):
+        raise ValueError(f"attention_weights must be True or False, got {attention_weights!r}")
+    ids, valid = padded_ids(model, prompt_ids(model, prompts))
+    x0, _ = embed_ids(model, ids, valid)
+    layers = model.layers
+    X0, valid = check_batch(np.asarray(x0), valid, layers.config.d_model)
+    spectra = model_spectra(model) if spectra is None else spectra
+    if len(spectra) != layers.n_unique:
+        raise ValueError(f"spectra has {len(spectra)} layers, the model {layers.n_unique} unique layers")
+    subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.W_v.dtype)
+    out = _trace_batch(layers, X0, valid, subs, prepared_projections(layers, "softmax"),
+                       rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
+                       chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
+    a, c = out["alignment"], out["consensus"]
+    traj = Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
+                      consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
+                      finite=out["finite"], n_valid=jnp.sum(valid, axis=1), final=None, references=subs.names)
+    metrics = pooled(traj)
+    schedule = np.asarray(layers.schedule.array(0, len(layers.schedule)), np.int64)
+    bad = first_non_finite(metrics, np.asarray(subs.dim)[schedule] > 0)
+    if bad is not None:
+        raise NonFiniteStateError(bad[0], len(schedule), r, layers.W_v.dtype, state=bad[1])
+    decoder = bool(model.info is not None and model.info.decoder)
+    return Trace(rule=r, order=order, ids=ids, valid=valid, layer=schedule, states=out["states"],
+                 attention=out.get("attention"), logits=model_logits(model, out["states"][-1]) if decoder else None,
+                 measures=step_measures(metrics, schedule, subs, layers.config.d_model), spectra=spectra)

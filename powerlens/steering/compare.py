@@ -1,0 +1,156 @@
+"""Steering methods compared on equal terms, on the model's own outputs (design.md §4).
+
+An edit of unique layer l is either a weight change ``{"delta_O": (d, H e)}`` (W_o[l] +=
+delta_O) or an activation addition ``{"vector": (d,)}`` (v added to every token of the
+output of the last step applying l). For each edit, on the model's forward pass (rule
+``full``):
+
+    target_prob, target_rank     p(target | prompt) and its rank (1 = the most probable) at
+                                 each prompt's last valid token
+    topk                         the 5 most probable next tokens (text)
+    control_kl_mean              mean over control prompts of KL(p_base || p_edited)
+    delta_norm                   ||delta_O||_F or ||v||
+    layer_output_change          beta = ||Y' - Y||_F over the valid tokens of all prompts, Y the
+                                 output of the edited step: the common scale of the methods
+    continuation                 the greedy continuation (12 tokens) of each prompt
+    paraphrases                  target_prob on paraphrase prompts (generalisation)
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .effects import forward_final, last_step, steered_model
+from .rank1 import layer_index
+
+
+def activation_model(model, vector, layer: int = -1):
+    """The model whose edited block adds ``vector`` (d,) to its output at every token, as a
+    change of the FFN output bias of that layer (exact for pre-norm blocks without a
+    post-FFN norm: the block output is h + FFN(.) + b_out). Error where that is not exact."""
+    layers = model.layers
+    cfg = layers.config
+    if cfg.norm_placement == "post" or getattr(layers, "post_ffn_norm_scale", None) is not None:
+        raise ValueError(f"activation addition as a bias change is not exact for a {cfg.family} block "
+                         f"(its output is normed after the FFN)")
+    last_step(layers, layer)                      # the layer is applied by the schedule
+    l = layer_index(layers, layer)
+    base = layers.b_out if layers.b_out is not None else jnp.zeros((layers.n_unique, cfg.d_model), layers.W_v.dtype)
+    return model.replace(layers=layers.replace(b_out=base.at[l].add(jnp.asarray(vector, base.dtype))))
+
+
+def _edited(model, edit, layer):
+    """(the model with a weight edit applied or the model itself, the vector to add or None)."""
+    if "delta_O" in edit:
+        return steered_model(model, np.asarray(edit["delta_O"]), layer), None
+    return model, np.asarray(edit["vector"])
+
+
+def _last_probs(model, h, valid):
+    from ..models.forward import logits
+    v = np.asarray(valid, bool)
+    last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
+    lg = logits(model, jnp.asarray(h)[jnp.arange(h.shape[0]), jnp.asarray(last)])
+    return lg, np.asarray(jax.nn.softmax(lg.astype(jnp.float32), axis=-1), np.float64)
+
+
+def _kl(p, q) -> np.ndarray:
+    """KL(p || q) per row (float64, 0 log 0 = 0)."""
+    q = np.maximum(q, 1e-300)
+    return np.sum(np.where(p > 0, p * (np.log(np.maximum(p, 1e-300)) - np.log(q)), 0.0), axis=-1)
+
+
+def _embed(model, texts):
+    from ..models.embed import embed
+    x0, valid = embed(model, list(texts))
+    return jnp.asarray(x0), jnp.asarray(valid)
+
+
+def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, target_id: int, layer: int = -1,
+                 controls: Optional[Sequence[str]] = None, paraphrases: Optional[Sequence[str]] = None, k: int = 5,
+                 continuation_tokens: int = 12) -> dict:
+    """The measures of the module docstring for each edit, and for the model itself ("before").
+
+    Returns {"before": {...}, name: {...}} (JSON-ready). ``continuation`` is left out (with
+    ``continuation_unavailable`` saying why) for an activation addition on a block whose
+    output is normed after its FFN."""
+    from ..models.generate import generate
+    from ..models.tokens import top_tokens
+    from .token import CONTROL_PROMPTS
+    x0, valid = _embed(model, prompts)
+    xc, vc = _embed(model, list(CONTROL_PROMPTS) if controls is None else controls)
+    xp, vp = _embed(model, paraphrases) if paraphrases else (None, None)
+    v = np.asarray(valid, bool)
+    h0, Y0 = forward_final(model, x0, valid, layer=layer)
+    _, pc0 = _last_probs(model, forward_final(model, xc, vc, layer=layer)[0], vc)
+    Y0 = np.asarray(Y0, np.float64)
+
+    def measure(m, add, name):
+        h, Y = forward_final(m, x0, valid, layer=layer, add=add)
+        lg, p = _last_probs(m, h, valid)
+        pt = p[:, int(target_id)]
+        out = {"target_prob": pt.tolist(), "target_prob_mean": float(pt.mean()),
+               "target_rank": [int(1 + np.sum(row > row[int(target_id)])) for row in p],
+               "topk": [[{"id": t.id, "token": t.text, "prob": t.prob} for t in row] for row in top_tokens(m, lg, k)]}
+        _, pc = _last_probs(m, forward_final(m, xc, vc, layer=layer, add=add)[0], vc)
+        out["control_kl_mean"] = float(_kl(pc0, pc).mean())
+        out["layer_output_change"] = float(np.linalg.norm((np.asarray(Y, np.float64) - Y0)[v]))
+        if xp is not None:
+            _, pp = _last_probs(m, forward_final(m, xp, vp, layer=layer, add=add)[0], vp)
+            out["paraphrases"] = {"prompts": list(paraphrases), "target_prob": pp[:, int(target_id)].tolist(),
+                                  "target_prob_mean": float(pp[:, int(target_id)].mean())}
+        try:
+            gm = m if add is None else activation_model(m, add, layer)
+            out["continuation"] = generate(gm, list(prompts), max_new_tokens=continuation_tokens).text
+        except ValueError as exc:
+            out["continuation_unavailable"] = str(exc)
+        return out
+
+    res = {"before": {**measure(model, None, "before"), "delta_norm": 0.0}}
+    for name, edit in edits.items():
+        m, add = _edited(model, edit, layer)
+        size = np.asarray(edit["delta_O"] if "delta_O" in edit else edit["vector"], np.float64)
+        res[name] = {**measure(m, add, name), "delta_norm": float(np.linalg.norm(size)),
+                     "edit": "weight" if "delta_O" in edit else "activation"}
+    return res
+
+
+def frontier_point(model, x0, valid, edit, *, target_id: int, layer: int = -1):
+    """(beta, mean target probability) of one edit on prompts x0 (see module docstring)."""
+    _, Y0 = forward_final(model, x0, valid, layer=layer)
+    m, add = _edited(model, edit, layer)
+    h, Y = forward_final(m, x0, valid, layer=layer, add=add)
+    _, p = _last_probs(m, h, valid)
+    v = np.asarray(valid, bool)
+    beta = float(np.linalg.norm((np.asarray(Y, np.float64) - np.asarray(Y0, np.float64))[v]))
+    return beta, float(p[:, int(target_id)].mean())
+
+
+def plot_frontier(curves: Mapping[str, Sequence], path, *, levels: Optional[Sequence[float]] = None,
+                  title: Optional[str] = None):
+    """Target probability against beta, one curve per method (``curves``: name -> [(beta, p)])."""
+    from matplotlib.figure import Figure
+    from ..analysis.plots import save_figure
+    fig = Figure(figsize=(7.0, 4.4))
+    ax = fig.subplots()
+    for i, (name, pts) in enumerate(curves.items()):
+        pts = sorted((b, p) for b, p in pts if np.isfinite(b) and np.isfinite(p))
+        if not pts:
+            continue
+        b, p = zip(*pts)
+        ax.plot(b, p, marker="o", ms=5, lw=1.6, color=f"C{i}", label=name)
+    for lv in levels or ():
+        ax.axhline(lv, color="0.6", ls=":", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("β = ‖Δ edited layer output‖_F over the prompts' tokens")
+    ax.set_ylabel("p(target | prompt), mean over prompts")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
+    ax.grid(alpha=0.3, which="both")
+    if title:
+        ax.set_title(title, fontsize=11)
+    fig.tight_layout()
+    return save_figure(fig, path)
