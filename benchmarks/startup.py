@@ -59,8 +59,8 @@ def child_env(cache: Optional[str]) -> Dict[str, str]:
     """The environment of a timed process: the user's, with powerlens' cache in ``cache``
     (a folder of its own when None, so that nothing is read from the user's) and no
     compilation cache chosen from outside."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COMPILATION_CACHE_DIR", "POWERLENS_XLA_CACHE", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+    outside = ("JAX_COMPILATION_CACHE_DIR", "POWERLENS_XLA_CACHE", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    env = {k: v for k, v in os.environ.items() if k not in outside}
     env["POWERLENS_CACHE"] = cache or tempfile.mkdtemp(prefix="powerlens-cache-")
     return env
 
@@ -123,9 +123,12 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
         print(f"load average at the start (1, 5, 15 min): {start_load}")
         for name, (cmd, cache_kind, target) in CASES.items():
             res = results[name] = measure(cmd, cache_kind, repeat=args.repeat, text=args.text)
-            met = "–" if target is None else (f"yes (< {target:g} s)" if res["wall"] < target else f"no (>= {target:g} s)")
+            met = ("–" if target is None else f"yes (< {target:g} s)" if res["wall"] < target
+                   else f"no (>= {target:g} s)")
             shown = " ".join(f'"{args.text}"' if a == "{text}" else "DIR" if a == "{out}" else a for a in cmd)
-            rows.append([f"`powerlens {shown}`" + ("" if cache_kind == "none" else f" ({cache_kind} cache)"),
+            what = {"none": " (a usage error)" if "usage" in name else "", "cold": " (cold cache)",
+                    "warm": " (warm cache)"}[cache_kind]
+            rows.append([f"`powerlens {shown}`{what}",
                          f"{res['wall']:.2f}", f"{res['cpu']:.2f}", f"{res['imports']:.2f} ({res['share']:.0%})", met])
             print(f"{name:<36} wall {res['wall']:6.2f} s   cpu {res['cpu']:6.2f} s   "
                   f"imports {res['imports']:5.2f} s ({res['share']:.0%})   target: {met}")
@@ -135,6 +138,11 @@ def main(argv=None) -> Dict[str, Dict[str, float]]:
                                      "target met"], rows)
     notes = [f"Median of {args.repeat} fresh processes each; {os.cpu_count()} cores; load average "
              f"{start_load} at the start, {end_load} at the end (other work on the machine stretches wall times)."]
+    if os.nice(0):
+        notes.append(f"The processes ran at niceness {os.nice(0)}.")
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        notes.append("PYTHONDONTWRITEBYTECODE was set: modules without a cached .pyc (an editable install's) "
+                     "were compiled in every process.")
     benchdoc.write_if_asked(args, "startup", argv, [table], printed.text,
                             summary="Wall time of the command line, and the share of it spent importing modules.",
                             packages=("flax", "scipy", "matplotlib", "tokenizers", "transformers"), notes=notes)

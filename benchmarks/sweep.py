@@ -58,6 +58,8 @@ def worker(args) -> dict:
     from powerlens.sweeps import distributed
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=120) \
         if args.coordinator else False
+    if multi:
+        distributed.start_xla()                     # one XLA thread when worker_env asked (as `powerlens sweep`)
     import jax
     from powerlens.sweeps.engine import Engine
     from powerlens.sweeps.spec import load_spec

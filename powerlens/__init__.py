@@ -58,6 +58,8 @@ _EXPORTS = {
     "stack_systems": ("powerlens.dynamics.sweep", "stack_systems"),
     "sweep": ("powerlens.sweeps.api", "sweep"),
     "load_sweep": ("powerlens.sweeps.api", "load_sweep"),
+    "sweep_system": ("powerlens.sweeps.api", "sweep_system"),
+    "SweepSystem": ("powerlens.sweeps.api", "SweepSystem"),
     "fit_rates": ("powerlens.sweeps.columns", "fit_rates"),
     # models: checkpoints, embeddings, the model's own forward pass
     **{n: ("powerlens.models", n) for n in (

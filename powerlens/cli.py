@@ -216,6 +216,8 @@ def _steer(args):
 
 def _reproduce(args):
     from .reproduce import cmd_reproduce
+    from .reproduce.workers import single_threaded_main
+    single_threaded_main(os.environ)   # this process's XLA on one thread (False where JAX had started already)
     return cmd_reproduce(args)
 
 

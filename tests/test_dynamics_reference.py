@@ -337,7 +337,8 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     X0 = np.stack([x0] + [rng.standard_normal(x0.shape).astype(np.float32) for _ in range(6)])   # B = 7
     V = np.stack([valid] * 4 + [np.ones_like(valid)] * 3)
     whole = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
-    monkeypatch.setattr(run_mod, "CHUNK_TOKENS_CPU", 3 * X0.shape[1])  # chunks of 3 prompts: 3 + 3 + 1
+    from powerlens.dynamics import execution                             # chunks of 3 prompts: 3 + 3 + 1
+    monkeypatch.setattr(execution, "TUNING", dataclasses.replace(execution.TUNING, chunk_tokens_cpu=3 * X0.shape[1]))
     monkeypatch.setattr(sim, "prompt_chunk", lambda b, n, platform: 3)
     assert run_mod.prompt_chunk(7, X0.shape[1], "cpu") == 3
     chunked = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
@@ -445,7 +446,8 @@ def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
     T = len(layers.schedule) if sched_arr is None else len(sched_arr)
     bound = (T + 1) * 7 * 8 * 4                      # one prompt's states, float32
     monkeypatch.setattr(sim, "simulate_batch_jit", lambda *a, **k: seen.append(k["measure_after"]) or real(*a, **k))
-    monkeypatch.setattr(importlib.import_module("powerlens.dynamics.run"), "MEASURE_AFTER_BYTES", bound)
+    execution = importlib.import_module("powerlens.dynamics.execution")
+    monkeypatch.setattr(execution, "TUNING", dataclasses.replace(execution.TUNING, measure_after_bytes=bound))
     one = simulate_batch(layers, x0[None], sub, valid=valid[None], schedule=sched_arr)
     two = simulate_batch(layers, np.repeat(x0[None], 2, 0), sub, valid=np.repeat(valid[None], 2, 0), schedule=sched_arr)
     assert seen == [True, False]

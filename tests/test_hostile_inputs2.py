@@ -151,7 +151,8 @@ def _llama_folder(folder, model_type: str = "llama", **over) -> str:
               p + "self_attn.v_proj.weight": w(G * E, D), p + "self_attn.o_proj.weight": w(D, H * E),
               p + "input_layernorm.weight": np.ones(D, np.float32),
               p + "post_attention_layernorm.weight": np.ones(D, np.float32),
-              p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D), p + "mlp.down_proj.weight": w(D, F)})
+              p + "mlp.gate_proj.weight": w(F, D), p + "mlp.up_proj.weight": w(F, D),
+              p + "mlp.down_proj.weight": w(D, F)})
     if model_type == "qwen2":
         t.update({p + "self_attn.q_proj.bias": w(H * E), p + "self_attn.k_proj.bias": w(G * E),
                   p + "self_attn.v_proj.bias": w(G * E)})

@@ -133,8 +133,8 @@ def test_worker_processes_give_the_serial_results(tmp_path, monkeypatch, capsys)
 def test_a_failed_worker_leaves_its_model_to_the_main_process(tmp_path, capsys):
     from concurrent.futures import Future
     from powerlens.reproduce import Context
-    from powerlens.reproduce.store import ChunkStore
-    ctx = Context(out=str(tmp_path), store=ChunkStore(str(tmp_path), {}), quick=True, seed=0, models=[])
+    from powerlens.sweeps.store import ChunkFolder
+    ctx = Context(out=str(tmp_path), store=ChunkFolder(str(tmp_path), {}), quick=True, seed=0, models=[])
     dead = Future()
     dead.set_exception(RuntimeError("worker killed"))
     ctx.pending["m"] = dead
@@ -160,14 +160,14 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     monkeypatch.setattr(workers, "_USER_ENV", [])
     monkeypatch.delenv(XLA_THREADS, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
-    assert workers.single_threaded_main() and workers._USER_ENV == []            # the user's choice
+    assert workers.single_threaded_main(os.environ) and workers._USER_ENV == []            # the user's choice
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.setenv(XLA_THREADS, "0")
-    assert workers.single_threaded_main() and workers._USER_ENV == []            # theirs again
+    assert workers.single_threaded_main(os.environ) and workers._USER_ENV == []            # theirs again
     monkeypatch.delenv(XLA_THREADS)
     from jax._src import xla_bridge
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
-    assert workers.single_threaded_main()
+    assert workers.single_threaded_main(os.environ)
     import os
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA
     assert os.environ[XLA_THREADS] == "1"
@@ -182,4 +182,4 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.delenv(XLA_THREADS)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
-    assert not workers.single_threaded_main()                  # too late: XLA keeps its threads
+    assert not workers.single_threaded_main(os.environ)                  # too late: XLA keeps its threads

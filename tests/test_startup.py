@@ -206,7 +206,8 @@ def test_byte_level_bpe_folder_with_and_without_bos(smollm2_folder, bos):
                                  "pair": [{"SpecialToken": {"id": bos_token, "type_id": 0}},
                                           {"Sequence": {"id": "A", "type_id": 0}},
                                           {"Sequence": {"id": "B", "type_id": 1}}],
-                                 "special_tokens": {bos_token: {"id": bos_token, "ids": [bos_id], "tokens": [bos_token]}}}
+                                 "special_tokens": {bos_token: {"id": bos_token, "ids": [bos_id],
+                                                                "tokens": [bos_token]}}}
         (folder / "tokenizer.json").write_text(json.dumps(doc))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, add_bos_token=False)))
@@ -259,3 +260,19 @@ def test_the_compilation_cache_keeps_small_programs(tmp_path):
     r = subprocess.run([sys.executable, "-c", _SMALL_PROGRAM], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) >= 1
+
+
+def test_startup_benchmark_counts_top_level_imports_once():
+    """benchmarks/startup.py sums the cumulative times of the top-level imports only (a nested
+    import is inside its parent's), and measures a real `powerlens --help` process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import startup
+    text = ("import time: self [us] | cumulative | imported package\n"
+            "import time:       100 |        100 |     child\n"
+            "import time:       200 |        300 |   parent\n"
+            "import time:        50 |        350 | top\n"
+            "import time:        10 |         10 | other\n"
+            "some other line\n")
+    assert startup.import_seconds(text) == pytest.approx(360e-6)
+    res = startup.measure(["--help"], "none", repeat=1, text="x")
+    assert 0 < res["imports"] and 0 < res["share"] <= 1 and res["wall"] > 0

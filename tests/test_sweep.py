@@ -10,7 +10,8 @@ import numpy as np
 
 import powerlens as pl
 from powerlens.analysis.spectra import sweep_subspaces
-from powerlens.dynamics.sweep import MICRO_CPU, micro_batch, simulate_sweep, stack_systems
+from powerlens.dynamics.execution import TUNING, micro_size, padded_size
+from powerlens.dynamics.sweep import simulate_sweep, stack_systems
 
 SCRIPT = r"""
 import numpy as np, jax
@@ -31,11 +32,13 @@ print("SHARDED-OK", a.final.sharding.num_devices)
 
 
 def test_micro_batch_pads_each_device_share_to_whole_micro_batches():
-    assert micro_batch(256, 2, "cpu") == (256, MICRO_CPU)
-    assert micro_batch(19, 2, "cpu") == (32, MICRO_CPU)          # 10 per device -> 2 micro-batches of 8
-    assert micro_batch(19, 1, "cpu") == (24, MICRO_CPU)
-    assert micro_batch(5, 2, "cpu") == (6, None)                  # a share of 3: one vmap
-    assert micro_batch(19, 2, "gpu") == (20, None)
+    m = micro_size("auto", "cpu")
+    assert m == TUNING.micro_cpu == 8 and micro_size("auto", "gpu") is None
+    assert padded_size(256, 2, m) == 256
+    assert padded_size(19, 2, m) == 32                           # 10 per device -> 2 micro-batches of 8
+    assert padded_size(19, 1, m) == 24
+    assert padded_size(5, 2, m) == 16                            # a share of 3: one micro-batch of 8, as in a sweep
+    assert padded_size(19, 2, None) == 20
 
 
 def test_sweep_equals_individual_runs():

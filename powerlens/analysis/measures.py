@@ -18,6 +18,8 @@ import math
 import numpy as np
 from scipy import special
 
+from ..dynamics.linalg import haar
+
 
 def chance_gamma(d: int, k: int = 1) -> float:
     """E ||P x|| for x uniform on the unit sphere of R^d and P a rank-k projector.
@@ -52,9 +54,9 @@ def binomial_pvalue(successes, trials: int, p: float = 0.5):
 
 
 def random_subspace(rng: np.random.Generator, d: int, k: int) -> np.ndarray:
-    """A uniformly random k-dimensional subspace of R^d as an orthonormal basis (d, k)."""
-    Q, R = np.linalg.qr(rng.standard_normal((d, k)))
-    return Q * np.sign(np.diag(R))
+    """A uniformly random k-dimensional subspace of R^d as an orthonormal basis (d, k): the
+    Haar draw (:func:`~powerlens.dynamics.linalg.haar`) of a Gaussian (d, k) from ``rng``."""
+    return haar(rng.standard_normal((d, k)))
 
 
 def group_difference(values, in_group, *, max_exact: int = 200_000, samples: int = 100_000, seed: int = 0):

@@ -6,7 +6,8 @@ Two orderings of the eigenvalues lambda of F:
     plain     by |lambda|      (the paper's wording)
 
 The *principal group* of an ordering is every eigenvalue whose key is within
-``group_rtol`` (relative) of the largest key: a complex pair, a repeated or a
+``group_rtol`` (relative; default :data:`~powerlens.dynamics.linalg.GROUP_RTOL`) of the
+largest key (:func:`~powerlens.dynamics.linalg.group_size`, the one rule the sweeps use too): a complex pair, a repeated or a
 near-repeated top eigenvalue is always a group, never one arbitrary eigenvector.
 Its invariant subspace is the real span of the group's eigenvectors (one ``eig``
 per layer serves both orderings; ``eigh`` for a numerically symmetric F, whose spectrum
@@ -15,8 +16,7 @@ defective eigenvalue), an ordered real Schur form: always an orthonormal real ba
 basis (e1, e2) is oriented so that I + F rotates coordinates counter-clockwise, by
 arg(1 + lambda1) with Im lambda1 > 0.
 
-Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only; on accelerators use
-:mod:`powerlens.dynamics.power` for the top subspace.
+Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from typing import List, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from ..dynamics.linalg import GROUP_RTOL, group_size, orient_plane
 from ..dynamics.params import Layers, layer_factors, layer_matrices
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces  # noqa: F401  (Subspaces re-exported)
 from .measures import random_subspace
@@ -137,7 +138,7 @@ def _ordered(F: np.ndarray, w: np.ndarray, vectors, order: str, group_rtol: floa
     idx = np.argsort(-key, kind="stable")
     w, key = w[idx], key[idx]
     mu1 = float(key[0])
-    dim = int(np.sum(key >= mu1 * (1.0 - group_rtol) - 1e-12))
+    dim = int(group_size(key, 0, group_rtol))
     mu2 = float(key[dim]) if dim < len(key) else 0.0
     top = w[0] if w[0].imag >= 0 else np.conj(w[0])      # canonical: Im >= 0
     basis, rank = _real_span(vectors(idx[:dim]))
@@ -146,15 +147,11 @@ def _ordered(F: np.ndarray, w: np.ndarray, vectors, order: str, group_rtol: floa
         basis, dim = _schur_basis(F, order, threshold)
     is_complex = bool(abs(top.imag) > 1e-9 * (1 + abs(top)))
     if dim == 2 and is_complex:
-        T2 = basis.T @ F @ basis
-        if T2[1, 0] - T2[0, 1] < 0:
-            basis[:, 1] *= -1
+        basis = orient_plane(basis, F)
     if dim >= 2 or len(key) < 2:
         plane = basis[:, :2] if dim >= 2 else np.eye(len(key), 2)
     else:  # principal direction plus the leading direction of the next eigen-group
-        j = dim + 1
-        while j < len(key) and key[j] >= key[dim] * (1.0 - group_rtol):
-            j += 1
+        j = dim + int(group_size(key, dim, group_rtol))
         cand, _ = _real_span(vectors(idx[dim:j]))
         cand = cand - basis @ (basis.T @ cand)
         k = int(np.argmax(np.linalg.norm(cand, axis=0)))
@@ -248,7 +245,7 @@ def _layer(i: int, f: np.ndarray, group_rtol: float, factors=None) -> LayerSpect
                          plain=_ordered(f, w, vectors, "plain", group_rtol))
 
 
-def layer_spectra(F, *, group_rtol: float = 1e-4, factors=None) -> List[LayerSpectrum]:
+def layer_spectra(F, *, group_rtol: float = GROUP_RTOL, factors=None) -> List[LayerSpectrum]:
     """Spectra of a stack F (U, d, d) in both orderings, one :class:`LayerSpectrum` each.
 
     ``factors``: optionally (A "[U d r]", B "[U r d]") with F = A B and r < d, e.g.
@@ -275,7 +272,7 @@ def layer_spectra(F, *, group_rtol: float = 1e-4, factors=None) -> List[LayerSpe
     return [_layer(i, f, group_rtol, None if factors is None else factors[i]) for i, f in enumerate(F)]
 
 
-def spectra_of(layers: Layers, *, group_rtol: float = 1e-4) -> List[LayerSpectrum]:
+def spectra_of(layers: Layers, *, group_rtol: float = GROUP_RTOL) -> List[LayerSpectrum]:
     """:func:`layer_spectra` of every unique layer of ``layers`` (float64 on the host), through
     the r x r factors of :func:`~powerlens.dynamics.params.layer_factors` where r < d."""
     return layer_spectra(np.asarray(layer_matrices(layers)), group_rtol=group_rtol, factors=layer_factors(layers))

@@ -68,8 +68,14 @@ def cmd_sweep(args) -> int:
         check_folder(target, folder_spec(spec), args.overwrite)   # refused before any worker starts
         return distributed.spawn(_forwarded(args), args.processes)
     # before anything starts the backend: the numbers then do not depend on the process count
-    distributed.same_numbers_xla()
+    from ..dynamics.execution import backends_initialized
+    if not backends_initialized():                  # too late in a process whose JAX has started
+        env = dict(os.environ)
+        if distributed.same_numbers_xla(env):
+            os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.init_timeout)
+    if multi:
+        distributed.start_xla()                     # after jax.distributed: one thread when worker_env asked
     import jax
     from ..sweeps.api import sweep
     rank = jax.process_index()

@@ -1,5 +1,5 @@
 """The token dynamics: layer parameters, attention modes, norms, layer rules, ``run`` (the one
-``lax.scan`` over a schedule) and its observers, synthetic systems, power iteration, sweeps.
+``lax.scan`` over a schedule) and its observers, synthetic systems, sweeps.
 
 Shapes are written as strings in the signatures and docstrings: "float[n d]" is a float
 array of shape (n, d) (float32 by default, float64 on request), "bool[B n]" a mask, and so

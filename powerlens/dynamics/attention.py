@@ -23,7 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import execution
 from .blocked import blocked_attention_mix
+from .execution import TUNING
 from .norms import apply_norm
 from .params import FUSED_ATTENTION as FUSED
 
@@ -182,17 +184,13 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
     return q, k, v
 
 
-BLOCKED_ABOVE = 256
-"""Prompts longer than this many tokens go by query blocks of :data:`QUERY_BLOCK` by default
-(``attention_block`` None); shorter ones are one dense block. Measured on one attention core
-(8 prompts, vmapped): at 256 tokens one dense block took 16 ms (12 heads of 32) and 18 ms
-(9 causal heads of 64) against 21 and 25 ms in two query blocks; at 512 tokens the query
-blocks win by 3x (see :func:`query_blocked_mix`)."""
+BLOCKED_ABOVE = TUNING.blocked_above
+"""The default of :attr:`~powerlens.dynamics.execution.Tuning.blocked_above`: longer prompts go
+by query blocks (the value in use is read from :data:`~powerlens.dynamics.execution.TUNING`)."""
 
-QUERY_BLOCK = 128
-"""Queries per block of the default path above :data:`BLOCKED_ABOVE` tokens; measured on one
-attention core (8 x 512 and 1 x 2048 tokens, vmapped): 128 was faster than 32, 64, 256 and
-512 on this project's CPU machine."""
+QUERY_BLOCK = TUNING.query_block
+"""The default of :attr:`~powerlens.dynamics.execution.Tuning.query_block`: queries per block
+above ``blocked_above`` tokens (the value in use is read from ``TUNING``)."""
 
 
 def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
@@ -220,7 +218,8 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     if setting == FUSED:                                                # cuDNN's fused kernel
         check_fused_attention(lp, q.dtype)
         return fused_attention_mix(lp, *(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), valid)
-    qblock = QUERY_BLOCK if setting is None and n > BLOCKED_ABOVE else n
+    tuning = execution.TUNING
+    qblock = tuning.query_block if setting is None and n > tuning.blocked_above else n
     if r > 1 and (setting or qblock == n):
         # key blocks, and one dense block, read the keys and values repeated to the H query heads:
         # dense, that was faster than grouped matmuls (SmolLM2's 9 heads over 3, 8 x 128 tokens:

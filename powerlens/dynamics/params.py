@@ -134,7 +134,8 @@ class LayerConfig:
             raise ValueError(f"LayerConfig.attn_softcap must be a positive number or None, got {self.attn_softcap!r}")
         if self.rope_theta is not None and (isinstance(self.rope_theta, (bool, np.bool_)) or not isinstance(
                 self.rope_theta, (int, float, np.number)) or not 0 < self.rope_theta < np.inf):
-            raise ValueError(f"LayerConfig.rope_theta must be a positive finite number or None, got {self.rope_theta!r}")
+            raise ValueError(f"LayerConfig.rope_theta must be a positive finite number or None, "
+                             f"got {self.rope_theta!r}")
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")

@@ -34,7 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .attention import BLOCKED_ABOVE, check_attention
+from . import execution
+from .attention import check_attention
+from .execution import TUNING
 from .inputs import check_batch, check_mask, check_schedule, check_tokens, concrete
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step, states
@@ -157,31 +159,23 @@ def _checked(layers: Layers, x0, valid, schedule):
     return x0, valid, schedule
 
 
-MEASURE_AFTER_BYTES = 2 ** 21
-"""Measure after the scan (``run``'s ``measure_after``) while all prompts' states take at most
-this many bytes. Measured on this project's 2-core CPU, every measure on: MiniLM 1 x 16
-(170 KiB of states) 3.1 -> 2.3 ms, SmolLM2 1 x 16 (1.1 MiB) 17.9 -> 15.9 ms, but MiniLM
-8 x 128 (11 MiB) 58 -> 81 ms: past a few MiB the per-step kernels are large enough already."""
+MEASURE_AFTER_BYTES = TUNING.measure_after_bytes
+"""The default of :attr:`~powerlens.dynamics.execution.Tuning.measure_after_bytes` (the value in
+use is read from :data:`~powerlens.dynamics.execution.TUNING`; docs/performance.md)."""
 
 
 def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | None" = None) -> bool:
     """Whether ``measure_after`` pays for the prompts X0 run through ``layers`` (over
     ``schedule``, default the layers' own): all their states, (T+1) B n d numbers of the
-    layers' dtype, fit in :data:`MEASURE_AFTER_BYTES`."""
+    layers' dtype, fit in :attr:`~powerlens.dynamics.execution.Tuning.measure_after_bytes`."""
     T = len(layers.schedule) if schedule is None else np.shape(schedule)[0]
     B, n, d = np.shape(X0)
-    return B * (T + 1) * n * d * np.dtype(layers.W_v.dtype).itemsize <= MEASURE_AFTER_BYTES
+    return B * (T + 1) * n * d * np.dtype(layers.W_v.dtype).itemsize <= execution.TUNING.measure_after_bytes
 
 
-CHUNK_TOKENS_CPU = 1024
-"""On a CPU, a batch of prompts of at most :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE`
-tokens runs in steps of about this many tokens (:func:`prompt_chunk`, :func:`map_prompts`): a chunk's
-activations stay in the caches for the whole scan. Measured on this project's 2-core CPU
-machine, MiniLM, 32 prompts x 128 tokens, all states, timed in turns with one ``vmap`` over
-the 32: paper rule 278-292 ms in chunks of 8 prompts against 291-303 ms, 282-288 ms in chunks
-of 4, 294-311 ms in chunks of 16; full block 646-648 ms in chunks of 8 against 691-706 ms.
-Longer prompts (query blocks) gained nothing: MiniLM 8 x 512 in chunks of 4 prompts 445-453
-against 440-452 ms, of 1 or 2 prompts 486-514 ms."""
+CHUNK_TOKENS_CPU = TUNING.chunk_tokens_cpu
+"""The default of :attr:`~powerlens.dynamics.execution.Tuning.chunk_tokens_cpu` (the value in
+use is read from :data:`~powerlens.dynamics.execution.TUNING`; docs/performance.md)."""
 
 
 def platform_of(array) -> str:
@@ -197,14 +191,14 @@ def platform_of(array) -> str:
 
 def prompt_chunk(batch: int, tokens: int, platform: Optional[str] = None) -> Optional[int]:
     """Prompts per step of :func:`map_prompts` for ``batch`` prompts of ``tokens`` tokens
-    (:data:`CHUNK_TOKENS_CPU`), or None: one ``vmap`` over the whole batch (any platform but
+    (:attr:`~powerlens.dynamics.execution.Tuning.chunk_tokens_cpu`), or None: one ``vmap`` over the whole batch (any platform but
     the CPU, prompts over :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE` tokens, or a
     batch that is one chunk already). ``platform``: where the program runs (the entry points
     pass :func:`platform_of` their weights); default ``jax.default_backend()``."""
     platform = jax.default_backend() if platform is None else platform
-    if platform != "cpu" or tokens > BLOCKED_ABOVE:
+    if platform != "cpu" or tokens > execution.TUNING.blocked_above:
         return None
-    chunk = max(1, CHUNK_TOKENS_CPU // max(tokens, 1))
+    chunk = max(1, execution.TUNING.chunk_tokens_cpu // max(tokens, 1))
     return chunk if batch > chunk else None
 
 

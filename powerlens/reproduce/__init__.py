@@ -14,17 +14,19 @@ import sys
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List
+from typing import TYPE_CHECKING, Any, Callable, Dict, List
 
 from .. import io
 from .section import SectionResult
-from .store import ChunkStore
+
+if TYPE_CHECKING:
+    from ..sweeps.store import ChunkFolder
 
 
 @dataclasses.dataclass
 class Context:
     out: str
-    store: ChunkStore
+    store: "ChunkFolder"            # the one chunk store (powerlens.sweeps.store)
     quick: bool
     seed: int
     models: List[str]
@@ -124,11 +126,11 @@ def cmd_reproduce(args) -> int:
 
 
 def _reproduce_into(out: str, settings: dict, args) -> int:
+    from ..sweeps.store import ChunkFolder
     from .report import render_html, render_markdown
     from ..sweeps.distributed import start_xla
-    from .workers import model_workers, single_threaded_main
-    single_threaded_main()        # False where JAX had started already (a Python session): XLA keeps its threads
-    store = ChunkStore(out, settings)
+    from .workers import model_workers
+    store = ChunkFolder(out, settings)
     ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
     sections = all_sections()
     if getattr(args, "sections", None):

@@ -4,7 +4,7 @@ Sections 5-8 spend most of their time per model: loading it, the spectra of its 
 and compiling the scans for its shapes, most of that single-threaded. Each section lists
 its chunks of one model with ``section.model_chunks(ctx, name)`` -> [(key, compute)], so a
 worker can compute every chunk of one model ahead of the section that reads it. The
-workers write into the same :class:`~powerlens.reproduce.store.ChunkStore` as the main
+workers write into the same :class:`~powerlens.sweeps.store.ChunkFolder` as the main
 process (atomic writes, one model per worker, so no two processes write one chunk); when a
 section reaches a model, :meth:`Context.model_chunk` waits for that model's worker and then
 reads its chunks back through the store, as a resumed run does. The numbers are therefore
@@ -50,41 +50,39 @@ def worker_env(n: int) -> dict:
 _USER_ENV: List[Dict[str, Optional[str]]] = []    # XLA_FLAGS and XLA_THREADS before single_threaded_main
 
 
-def single_threaded_main() -> bool:
-    """Ask for this process's XLA on one thread before its CPU backend starts: ``XLA_FLAGS`` +=
-    ``SINGLE_THREAD_XLA`` and ``XLA_THREADS`` = 1, which :func:`~powerlens.sweeps.distributed.start_xla`
-    acts on once the workers have started (``reproduce`` calls it then). True when that is
-    set (or the user's XLA_FLAGS or XLA_THREADS already choose the threads, which then win);
-    False when a backend had already started.
+def single_threaded_main(env: dict) -> bool:
+    """Ask for this process's XLA on one thread before its CPU backend starts, in the
+    environment ``env`` (a dict, changed in place; the ``reproduce`` command gives its own
+    ``os.environ``): ``XLA_FLAGS`` += ``SINGLE_THREAD_XLA`` and ``XLA_THREADS`` = 1, which
+    :func:`~powerlens.sweeps.distributed.start_xla` acts on once the workers have started.
+    True when that is set (or the user's XLA_FLAGS or XLA_THREADS already choose the threads,
+    which then win); False when a backend had already started.
 
     The numbers of sections 1-4 depend, in the last bits, on XLA's thread settings (the model
     sections do not), so the same setting everywhere makes results.json the same bytes
     whatever ``--jobs`` and whatever the machine's cores; and while the workers keep the cores
     busy, threads here would only compete with them."""
+    from ..dynamics.execution import backends_initialized
     from ..sweeps.distributed import XLA_THREADS, chooses_threads, same_numbers_xla
-    flags = os.environ.get("XLA_FLAGS")
-    if _USER_ENV or chooses_threads(flags or "", os.environ):
+    flags = env.get("XLA_FLAGS")
+    if _USER_ENV or chooses_threads(flags or "", env):
         return True
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
+    if backends_initialized():
         return False
     _USER_ENV.append({"XLA_FLAGS": flags, XLA_THREADS: None})
-    same_numbers_xla(os.environ)                     # XLA_FLAGS += SINGLE_THREAD_XLA
-    os.environ[XLA_THREADS] = "1"
+    same_numbers_xla(env)                            # XLA_FLAGS += SINGLE_THREAD_XLA
+    env[XLA_THREADS] = "1"
     return True
 
 
-@contextlib.contextmanager
-def _environment(env: dict):
-    """os.environ replaced by ``env`` inside the block (for the processes started there)."""
-    saved = dict(os.environ)
+def worker_main(env: dict) -> None:
+    """A worker process's entry point (the pool's initializer, before any task): its
+    environment becomes ``env`` (:func:`worker_env`), then its XLA starts, on one thread when
+    ``env`` asks for it (the workers fill the cores)."""
+    from ..sweeps.distributed import start_xla
     os.environ.clear()
     os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    start_xla()
 
 
 def cores() -> int:
@@ -125,11 +123,9 @@ def chunks_of(ctx, sections: Sequence[Callable], name: str) -> List[tuple]:
 def _compute_model(out: str, settings: dict, quick: bool, seed: int, models: List[str], section_names: List[str],
                    name: str) -> List[str]:
     """Worker: compute the missing chunks of ``name``; returns the keys it computed."""
-    from ..sweeps.distributed import start_xla
     from . import Context, all_sections
-    from .store import ChunkStore
-    start_xla()                      # one XLA thread when worker_env asked for it (the workers fill the cores)
-    store = ChunkStore(out, settings)
+    from ..sweeps.store import ChunkFolder
+    store = ChunkFolder(out, settings)
     ctx = Context(out=out, store=store, quick=quick, seed=seed, models=models, show_progress=False)
     sections = [s for s in all_sections() if s.__name__ in section_names]
     computed = []
@@ -146,8 +142,8 @@ def start_method() -> str:
     (a forked worker inherits the imported modules, about 2.7 s of CPU each otherwise, and
     starts its own backend, with the environment of :func:`worker_env`); ``spawn`` otherwise
     (a started XLA backend has threads, which a fork would not carry over)."""
-    from jax._src import xla_bridge
-    if sys.platform.startswith("linux") and not xla_bridge.backends_are_initialized():
+    from ..dynamics.execution import backends_initialized
+    if sys.platform.startswith("linux") and not backends_initialized():
         return "fork"
     return "spawn"
 
@@ -169,12 +165,12 @@ def model_workers(ctx, sections: Sequence[Callable], settings: dict, jobs: int):
         return
     names.sort(key=model_bytes, reverse=True)
     n = min(len(names), 2 * cores() if jobs is None else jobs)
-    pool = futures.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(start_method()))
+    pool = futures.ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(start_method()),
+                                       initializer=worker_main, initargs=(worker_env(n),))
     try:
-        with _environment(worker_env(n)):     # the workers start on the first submits, with this environment
-            pending: Dict[str, futures.Future] = {
-                m: pool.submit(_compute_model, ctx.out, settings, ctx.quick, ctx.seed, list(ctx.models),
-                               [s.__name__ for s in with_chunks], m) for m in names}
+        pending: Dict[str, futures.Future] = {
+            m: pool.submit(_compute_model, ctx.out, settings, ctx.quick, ctx.seed, list(ctx.models),
+                           [s.__name__ for s in with_chunks], m) for m in names}
         ctx.pending.update(pending)
         yield pending
     finally:

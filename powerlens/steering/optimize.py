@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..dynamics.execution import map_systems
 from ..dynamics.layer import check_rule, default_keep_bias
 from ..dynamics.observers import final
 from ..dynamics.params import Layers
@@ -267,30 +268,19 @@ solve_many_jit = jax.jit(solve_many, static_argnames=_STATIC)
 
 
 def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
-    """:func:`solve_many` with the directions split evenly over all devices (``shard_map``);
-    falls back to :func:`solve_many_jit` on one device or when K does not divide."""
-    ndev = jax.device_count()
-    if ndev == 1 or U.shape[0] % ndev:
-        return solve_many_jit(layers, X, valid, U, keys, R, positions, pm, **static)
-    run, mesh = _sharded_solver(ndev, tuple(sorted(static.items())))
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    U, keys = jax.device_put((U, keys), NamedSharding(mesh, P("directions")))
-    return run(layers, X, valid, U, keys, R, positions, pm)
+    """:func:`solve_one` over directions U (K, d) and keys (K, 2), the directions split evenly
+    over all devices (:func:`~powerlens.dynamics.execution.map_systems`: K padded to a multiple
+    of the device count, the padding dropped), everything else given whole to each device."""
+    shared = (layers, X, valid, R, positions, pm)
+    return map_systems(_direction_solver(tuple(sorted(static.items()))), (U, keys), shared=shared,
+                       devices=jax.device_count(), micro="all", check_vma=False)
 
 
 @functools.lru_cache(maxsize=16)
-def _sharded_solver(ndev: int, static_items):
-    from jax.sharding import Mesh, PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()[:ndev]), ("directions",))
+def _direction_solver(static_items):
+    """solve_one for one direction, the problem's arrays shared (one function per setting)."""
     static = dict(static_items)
-
-    def local(layers, X, valid, U, keys, R, positions, pm):
-        return solve_many(layers, X, valid, U, keys, R, positions, pm, **static)
-
-    rep = P()
-    f = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, rep, P("directions"), P("directions"), rep, rep, rep),
-                      out_specs=P("directions"), check_vma=False)
-    return jax.jit(f), mesh
+    return lambda shared, u, key: solve_one(*shared[:3], u, key, *shared[3:], **static)
 
 
 # ------------------------------------------------------------------ public API

@@ -26,7 +26,8 @@ Start: the closed-form ray, dO = alpha u w_cf^T (w_cf of :func:`~.rank1.resolve_
 v = alpha u for activation addition. The target probability need not increase along it, so
 alpha is found by a scan of log alpha over [-10, 10] (41 points) and bisection inside the
 first bracket where min_b p(t | b) crosses ``target_prob`` (the largest min_b p on the grid
-when it never does; ``closed_feasible`` says which). n0 is that start's norm.
+when it never does; ``closed_feasible`` says which). n0 is that start's norm (when the ray
+never gets there, at least a tenth of the layer's own scale, so the start is not a vanishing edit).
 """
 from __future__ import annotations
 
@@ -149,8 +150,12 @@ def solve_token_one(model, X, valid, last, base_logp, u, target_id, log_target, 
     min_logp = lambda log_a: jnp.min(constraints_of(fwd(ray_edit(log_a)))[1])
     log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, bisect_iters)
     alpha_cf = jnp.exp(log_cf)
-    n0 = alpha_cf * wn
     _, cf_lp, cf_kl = constraints_of(fwd(ray_edit(log_cf)))
+    # where the ray never gets there its best point may be a vanishing edit: the edit's scale
+    # n0 is then at least a tenth of the layer's own (||W_o|| or the mean token norm entering it)
+    floor = 0.1 * (jnp.sqrt(jnp.mean(jnp.sum(X * X, -1))) if param == "activation"
+                   else jnp.linalg.norm(model.layers.W_o[layer]))
+    n0 = jnp.where(cf_feasible, alpha_cf * wn, jnp.maximum(alpha_cf * wn, floor))
     params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, rank, key, dtype)
 
     def constraints(p):

@@ -3,6 +3,7 @@
     df = pl.sweep("my_first_sweep.toml", out="runs/first")   # resumable folder
     df = pl.sweep({"grid": {"heads": [1, 2]}, ...})           # in memory, nothing written
     df = pl.load_sweep("runs/first")
+    one = pl.sweep_system("runs/first", 17)                   # row 17's system, rebuilt
 
 The output folder (``out``) holds, once the sweep has finished::
 
@@ -20,18 +21,24 @@ barrier and returns the table (the others return None).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io as _bytes
+import json
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
+import numpy as np
 
 from .. import io
-from .engine import Engine, SweepResult, barrier
+from ..dynamics.subspaces import Subspaces
+from ..dynamics.synthetic import synthetic as build_synthetic
+from .engine import Engine, SweepResult, barrier, static_of
+from .grid import DYNAMIC, Grid, system_seeds
 from .spec import Spec, load_spec
 from .store import ChunkFolder, MemoryStore, check_folder, prepare_folder
-from .systems import checkpoint_identity
+from .systems import checkpoint_identity, synthetic_subspaces
 
 RESULTS = "results.parquet"
 
@@ -134,3 +141,120 @@ def load_sweep(out: str):
     if not os.path.isfile(path):
         raise ValueError(f"{out}: no {RESULTS} (not a finished powerlens sweep folder)")
     return pd.read_parquet(path, engine="pyarrow")
+
+
+# ------------------------------------------------------------------ one row, rebuilt
+
+@dataclasses.dataclass(frozen=True)
+class SweepSystem:
+    """One sweep row's system, rebuilt from its seed and grid values.
+
+    Attributes:
+      layers: the one-layer :class:`~powerlens.dynamics.params.Layers`, schedule ``repeat(0, T)``.
+      x0: "float[n d]" initial tokens; valid: "bool[n]".
+      subspaces: the references the row's alignment columns were measured against
+        ("float[1 m d k]": principal, random, other_layer).
+      facts: the spectral facts: ``lam`` "float[3 2]" (lambda_1..3 in the shifted order, the
+        row's ``lambda*`` columns), ``dim`` (``principal_dim``), ``direction``, ``top2``, ``v1``,
+        ``x0_exact``; a synthetic row adds everything
+        :func:`powerlens.dynamics.synthetic.synthetic` returns (the spectrum in both orders).
+      rule, attention, keep_bias: how the row was run: ``pl.run(s.layers, s.x0, s.valid,
+        rule=s.rule, attention=s.attention, keep_bias=s.keep_bias, observers=...)``.
+    """
+
+    layers: Any
+    x0: np.ndarray
+    valid: np.ndarray
+    subspaces: Subspaces
+    facts: Dict[str, Any]
+    rule: str
+    attention: str
+    keep_bias: Optional[bool]
+
+
+def _spec_and_rows(source):
+    """(Spec, table or None) of a finished sweep folder, or of a spec (path, dict, Spec)."""
+    if isinstance(source, Spec):
+        return source, None
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        path = os.path.join(os.fspath(source), "sweep.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"{source}: no sweep.json (not a finished powerlens sweep folder)")
+        with open(path) as fh:
+            info = json.load(fh)
+        return load_spec(info["spec"]), load_sweep(source)
+    return load_spec(source), None
+
+
+def _row_value(row, key: str, spec: Spec, grid: Grid):
+    """A key's value for a row: its grid column (a JSON list for a range), else the spec's."""
+    if key in grid.axes:
+        v = row[key]
+        return json.loads(v) if isinstance(v, str) and v.startswith("[") else v
+    return spec.value(key)
+
+
+def _system_of(row, spec: Spec, grid: Grid) -> int:
+    """The global system id of a row, checked: its seed and grid values are this sweep's."""
+    try:
+        point, rep, seed = int(row["point"]), int(row["replicate"]), int(row["seed"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("sweep_system: the row needs its 'point', 'replicate' and 'seed' columns") from None
+    if not (0 <= point < grid.n_points and 0 <= rep < grid.replicates):
+        raise ValueError(f"sweep_system: row (point {point}, replicate {rep}) is not in this sweep "
+                         f"({grid.n_points} points x {grid.replicates} replicates)")
+    if int(system_seeds(spec.seed, [point], [rep])[0]) != seed:
+        raise ValueError(f"sweep_system: row (point {point}, replicate {rep}) has seed {seed}, not this sweep's")
+    cols = grid.columns([point * grid.replicates + rep])
+    for key in grid.axes:
+        if key in row and row[key] != cols[key][0]:
+            raise ValueError(f"sweep_system: row (point {point}) has {key} = {row[key]!r}; this sweep's "
+                             f"point {point} has {cols[key][0]!r}")
+    return point * grid.replicates + rep
+
+
+def sweep_system(out_dir_or_spec, row) -> SweepSystem:
+    """The system of one sweep row, rebuilt from its ``seed`` and grid values alone.
+
+    Args:
+      out_dir_or_spec: a finished sweep folder (its ``sweep.json`` names the spec), or the spec
+        itself (a TOML path, a dict of tables, a :class:`~powerlens.sweeps.spec.Spec`).
+      row: a row of the sweep's table (a pandas Series or a dict with its ``point``,
+        ``replicate``, ``seed`` and grid columns), or, with a folder, a row number of its table.
+
+    Returns:
+      A :class:`SweepSystem`: its ``facts["lam"]`` are the row's ``lambda1_*``/``lambda2_*``
+      columns, and running it (``pl.run`` with the alignment and consensus observers against
+      ``subspaces``) gives the row's measured columns. A synthetic row is built by
+      :func:`powerlens.dynamics.synthetic.synthetic` from its seed, as the sweep built it; a
+      ``[model]`` or custom-builder row by the sweep's host builder for its point.
+    """
+    spec, table = _spec_and_rows(out_dir_or_spec)
+    if isinstance(row, (int, np.integer)) and not isinstance(row, bool):
+        if table is None:
+            raise ValueError("sweep_system: a row number needs a finished sweep folder; pass the row itself")
+        if not 0 <= int(row) < len(table):
+            raise ValueError(f"sweep_system: row {int(row)} does not exist ({len(table)} rows)")
+        row = table.iloc[int(row)]
+    grid = Grid(spec)
+    system = _system_of(row, spec, grid)
+    point = system // grid.replicates
+    group = next(g for g in grid.groups() if g.contains([point])[0])
+    st = static_of(spec, group)
+    how = {"rule": st.rule, "attention": st.attention, "keep_bias": st.keep_bias or None}
+    builder = spec.system.get("builder", "synthetic")
+    with jax.enable_x64(st.x64):
+        if spec.model is None and builder == "synthetic":
+            dt = np.float64 if st.x64 else np.float32
+            values = {k: np.asarray(_row_value(row, k, spec, grid), dt) for k in DYNAMIC}
+            build = jax.jit(build_synthetic, static_argnums=2)
+            layers, facts = jax.device_get(build(np.int32(row["seed"]), values, st.synthetic))
+            x0 = facts.pop("x0")
+            return SweepSystem(layers=layers, x0=x0, valid=np.ones(x0.shape[0], bool),
+                               subspaces=jax.device_get(synthetic_subspaces(facts)), facts=facts, **how)
+        sy = Engine(spec, progress=False).systems_of([system])
+    one = jax.tree_util.tree_map(lambda a: a[0], sy)
+    facts = {"lam": np.asarray(one.lam), "dim": np.asarray(one.dim), "direction": one.direction,
+             "top2": one.top2, "v1": np.asarray(one.v1), "x0_exact": one.x0_exact}
+    return SweepSystem(layers=one.layers, x0=np.asarray(one.x0), valid=np.asarray(one.valid, bool),
+                       subspaces=one.subspaces, facts=facts, **how)

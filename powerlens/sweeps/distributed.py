@@ -360,6 +360,7 @@ failure: the handshake already found every process there)."""
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, *, timeout: float = 60.0) -> bool:
     """Start this process's part of a multi-process sweep; False if there is only one process.
+    The caller (the command line) starts XLA after it, with :func:`start_xla`.
 
     With a coordinator (given, or from ``JAX_COORDINATOR_ADDRESS``), the processes first meet
     at its address (:func:`rendezvous`), so that a mismatch is a ValueError naming the address
@@ -380,7 +381,6 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
         kw = {"local_device_ids": []} if per_node == "1" else {}
         jax.distributed.initialize(initialization_timeout=math.ceil(timeout), **kw)
-        start_xla()
         return True
     n, i, address = int(settings["num_processes"]), int(settings["process_id"]), settings["coordinator"]
     if n < 1 or not 0 <= i < n:
@@ -396,7 +396,6 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"--coordinator {address}: JAX's distributed runtime did not start "
                          f"(process {i} of --num-processes {n}): {first}") from None
-    start_xla()                                 # after jax.distributed: one thread when worker_env asked
     return True
 
 
@@ -428,8 +427,9 @@ def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None)
     workers would only share them (measured with jax 0.4: 2 workers on 2 cores were no faster
     than one process; single-threaded, 1.77x). The user's XLA_FLAGS thread choice, or their
     own :data:`XLA_THREADS`, win. ``base``: the environment to start from (default
-    ``os.environ``). That the numbers do not change with the process count is
-    :func:`same_numbers_xla`'s work, which every ``powerlens sweep`` process calls."""
+    ``os.environ``; it is copied, never changed). That the numbers do not change with the
+    process count is :func:`same_numbers_xla`'s work, which every ``powerlens sweep`` process
+    applies to its own environment."""
     env = dict(os.environ if base is None else base)
     cores = cores or os.cpu_count() or 1
     if n >= cores and same_numbers_xla(env):                # SINGLE_THREAD_XLA, unless the user chose
@@ -437,13 +437,14 @@ def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None)
     return env
 
 
-def same_numbers_xla(env: Optional[dict] = None) -> bool:
-    """Turn Eigen's intra-op threads off (:data:`SINGLE_THREAD_XLA` added to ``env``'s
-    XLA_FLAGS, default ``os.environ``, read when the backend starts) unless the user's XLA_FLAGS
-    or :data:`XLA_THREADS` chose XLA's threads already, or (``env`` None) this process's
-    backend has started; whether it did.
+def same_numbers_xla(env: dict) -> bool:
+    """Turn Eigen's intra-op threads off in the environment ``env`` (a dict, changed in place:
+    :data:`SINGLE_THREAD_XLA` added to its XLA_FLAGS, read when a backend starts) unless the
+    user's XLA_FLAGS or :data:`XLA_THREADS` chose XLA's threads already; whether it did. Only
+    the command line applies it to ``os.environ`` (before the backend starts,
+    :func:`~powerlens.dynamics.execution.backends_initialized`).
 
-    ``powerlens sweep`` calls it in every process, one or many, so that a sweep's numbers do
+    ``powerlens sweep`` applies it in every process, one or many, so that a sweep's numbers do
     not depend on how many processes, and so how many threads each, computed them: with
     Eigen's threads on, XLA's CPU results changed in the last bits with the thread count
     (seen on an AMD EPYC family 25 machine with jax 0.10.2: 2 threads against 1 moved
@@ -455,11 +456,6 @@ def same_numbers_xla(env: Optional[dict] = None) -> bool:
     at 98-105 systems/s against 88 with Eigen's threads, a 256-system d = 64 sweep at 56-77
     against 61-81 (this machine's noise is as wide). From Python (``pl.sweep``), set
     ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` before JAX starts for the same guarantee."""
-    if env is None:
-        from jax._src import xla_bridge
-        if xla_bridge.backends_are_initialized():       # too late for this process: left as it is
-            return False
-        env = os.environ
     flags = env.get("XLA_FLAGS", "")
     if chooses_threads(flags, env):
         return False
@@ -476,14 +472,15 @@ def start_xla(env: Optional[dict] = None) -> bool:
     runs wherever the OS puts it. Measured on this project's 2-core machine, a 2048^3 matmul:
     CPU time / wall time 1.00 after this, 1.95 with ``--xla_cpu_multi_thread_eigen=false``.
 
-    Returns True when XLA now runs one thread by this call; False when not asked, when a
+    Called only by the entry points (``powerlens sweep``, ``powerlens reproduce`` and their
+    workers). Returns True when XLA now runs one thread by this call; False when not asked, when a
     backend had already started (it keeps its threads), or where the OS has no CPU affinity
     (macOS, Windows: XLA keeps its threads there)."""
     env = os.environ if env is None else env
     if env.get(XLA_THREADS) != "1" or not hasattr(os, "sched_setaffinity"):
         return False
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():
+    from ..dynamics.execution import backends_initialized
+    if backends_initialized():
         return False
     import jax
     allowed = os.sched_getaffinity(0)

@@ -7,7 +7,7 @@
 
 * Points are grouped by static shape (:mod:`powerlens.sweeps.grid`); each group runs in
   chunks, one call of ``jit(shard_map(lax.map(vmap(measure o build))))`` each
-  (:func:`powerlens.dynamics.sweep.system_map`): the systems of a chunk are split over the
+  (:func:`powerlens.dynamics.execution.map_systems`): the systems of a chunk are split over the
   devices (GPUs, TPU cores, or CPU cores exposed as host devices), each device vmaps over
   micro-batches of its share. Synthetic systems are built inside the program from their
   seeds; a model's or a custom builder's systems are built on the host and placed.
@@ -46,7 +46,7 @@ import jax
 import numpy as np
 
 from ..analysis.budget import Estimate, available_bytes, format_bytes, run_estimate
-from ..dynamics.sweep import MICRO_CPU, pad_systems, padded_size, system_map
+from ..dynamics.execution import device_mesh, map_systems, micro_size, padded_size
 from . import columns
 from .grid import DYNAMIC, Grid, Group, system_seeds
 from .measures import measure
@@ -145,10 +145,7 @@ def _platform() -> str:
 
 def _micro(spec: Spec) -> Optional[int]:
     """Systems per vmap step (None: the device's whole share at once)."""
-    m = spec.run["micro_batch"]
-    if m == "auto":
-        return MICRO_CPU if _platform() == "cpu" else None
-    return None if m == "all" else int(m)
+    return micro_size(spec.run["micro_batch"], _platform())
 
 
 def _device_memory() -> Optional[int]:
@@ -234,24 +231,23 @@ def stored(store, name: str):
         return None
 
 
-def _program(st: Static, device_built: bool, mesh, micro: Optional[int]):
-    """The compiled chunk program of a group (one per static config, mesh and micro-batch);
-    host-built systems bring their shapes with them, so only the dynamics' settings count."""
+def _chunk_fn(st: Static, device_built: bool) -> Callable:
+    """One system of a group -> its measures (one function object per static config: it keys
+    the compiled program of :func:`~powerlens.dynamics.execution.map_systems`); host-built
+    systems bring their shapes with them, so only the dynamics' settings count."""
     if not device_built:
         st = dataclasses.replace(st, d=None, tokens=None, heads=None, kind=None, spectrum=None, init=None,
                                  order="shifted")
-    return _compiled(st, device_built, mesh, micro)
+    return _measured(st, device_built)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(st: Static, device_built: bool, mesh, micro: Optional[int]):
+def _measured(st: Static, device_built: bool) -> Callable:
     # the system is built inside each micro-batch (LAPACK-free, :mod:`powerlens.sweeps.linalg`),
     # so every device runs the same program on the same micro-batch shape
     if device_built:
-        fn = lambda seed, p: measure(synthetic(seed, p, st), st)
-    else:
-        fn = lambda sy: measure(sy, st)
-    return system_map(fn, mesh, micro)
+        return lambda seed, p: measure(synthetic(seed, p, st), st)
+    return lambda sy: measure(sy, st)
 
 
 class Engine:
@@ -274,11 +270,7 @@ class Engine:
         self.groups = self.grid.groups()
         self.statics = [static_of(spec, g) for g in self.groups]
         self.rank, self.nproc = jax.process_index(), jax.process_count()
-        from jax.sharding import Mesh
-        if mode == "global":
-            self.mesh = jax.make_mesh((jax.device_count(),), ("systems",))
-        else:
-            self.mesh = Mesh(np.array(jax.local_devices()), ("systems",))
+        self.mesh = device_mesh("global" if mode == "global" else None)
         self.micro = _micro(spec)
         builder = spec.system.get("builder", "synthetic")
         self.device_built = spec.model is None and builder == "synthetic"
@@ -448,19 +440,18 @@ class Engine:
     # ------------------------------------------------------------------ inputs
 
     def _inputs(self, chunk: Chunk):
-        """(global ids, program inputs padded to the chunk size, micro-batch, host facts): the
-        host facts are the float64 lam/dim/v1 of host-built systems (kept off the device)."""
+        """(global ids, program inputs (host arrays, unpadded), host facts): the host facts are
+        the float64 lam/dim/v1 of host-built systems (kept off the device)."""
         group, st = self.groups[chunk.group], self.statics[chunk.group]
         ids = group.systems(chunk.start, chunk.stop)
         R = self.grid.replicates
-        size, micro = padded_size(chunk.size, self.mesh.size, self.micro), self.micro
         if self.device_built:
             inputs, facts = self._seeds_and_values(ids, st), {}
         else:
             sy = self._host_systems(ids[::R] // R)
             facts = {"lam": np.asarray(sy.lam), "dim": np.asarray(sy.dim), "v1": np.asarray(sy.v1)}
             inputs = (sy.replace(lam=None, dim=None, v1=None),)
-        return ids, pad_systems(jax.tree_util.tree_map(np.asarray, inputs), size), micro, facts
+        return ids, jax.tree_util.tree_map(np.asarray, inputs), facts
 
     def _seeds_and_values(self, ids, st: Static):
         """What a synthetic system is built from: its seed "int32[S]" and dynamic values."""
@@ -501,14 +492,6 @@ class Engine:
                 return jax.tree_util.tree_map(lambda a: np.asarray(a)[pos], sy)
             build = jax.jit(jax.vmap(lambda seed, q: synthetic(seed, q, st)))
             return jax.tree_util.tree_map(np.asarray, build(*self._seeds_and_values(ids, st)))
-
-    def _place(self, tree):
-        from jax.sharding import NamedSharding, PartitionSpec as P
-        sharding = NamedSharding(self.mesh, P("systems"))
-        if self.mode == "local":
-            return jax.device_put(tree, sharding)
-        return jax.tree_util.tree_map(
-            lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]), tree)
 
     def _gather(self, out):
         if self.mode == "local":
@@ -560,9 +543,10 @@ class Engine:
         """Dispatch a chunk (asynchronously): (chunk, ids, device outputs)."""
         st = self.statics[chunk.group]
         with jax.enable_x64(st.x64):                 # host builders make their arrays in the group's precision
-            ids, inputs, micro, facts = self._inputs(chunk)
-            run = _program(st, self.device_built, self.mesh, micro)
-            out = run(*self._place(inputs))
+            ids, inputs, facts = self._inputs(chunk)
+            # padded to the chunk's size (every chunk of a group runs one program), kept padded
+            out = map_systems(_chunk_fn(st, self.device_built), inputs, devices=self.mesh, micro=self.micro,
+                              size=chunk.size, spread=self.mode, trim=False)
         return chunk, ids, out, facts
 
     def finish(self, launched) -> dict:

@@ -32,8 +32,6 @@ STATIC = ("d", "tokens", "heads", "kind", "spectrum", "init", "steps", "attentio
           "keep_bias", "x64")
 DYNAMIC = ("beta", "top", "rest", "imag", "pair", "nonnormality", "cone", "noise")
 
-_M = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def splitmix64(x) -> np.ndarray:
     """The splitmix64 finaliser, elementwise on uint64 arrays (wrapping arithmetic)."""

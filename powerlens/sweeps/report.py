@@ -10,9 +10,7 @@ with several values).
 """
 from __future__ import annotations
 
-import base64
 import html
-import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -20,6 +18,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..analysis import plots
+from ..analysis import report_html as page
 from .columns import RATES
 
 DEFAULT_MEASURE = "final_gamma"
@@ -144,22 +143,6 @@ def write_figures(folder: str, df, spec, plot: Optional[str] = None) -> List[str
     return [os.path.relpath(p, folder) for p in out]
 
 
-STYLE = ("body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;"
-         "padding:0 1em;color:#1f2328;line-height:1.5} h1{border-bottom:2px solid #d0d7de} "
-         "h2{border-bottom:1px solid #d0d7de;margin-top:2em} table{border-collapse:collapse;font-size:.85em} "
-         "th,td{border:1px solid #d0d7de;padding:.25em .5em;text-align:right} th{background:#f6f8fa} "
-         "figure{display:inline-block;margin:.5em;max-width:48%;vertical-align:top} figure img{max-width:100%;"
-         "border:1px solid #d0d7de} figcaption{font-size:.8em;color:#57606a;text-align:center} "
-         "pre{background:#f6f8fa;padding:1em;overflow:auto;font-size:.8em} .scroll{overflow-x:auto}")
-
-
-def _embed(folder: str, rel: str) -> str:
-    with open(os.path.join(folder, rel), "rb") as fh:
-        data = base64.b64encode(fh.read()).decode()
-    name = html.escape(os.path.basename(rel))
-    return f"<figure><img alt='{name}' src='data:image/png;base64,{data}'><figcaption>{name}</figcaption></figure>"
-
-
 def summary_table(df, spec, measures=("consensus_rate", "consensus_rate_pred", "direction_rate",
                                       "direction_rate_pred", "final_gamma", "final_consensus", "converged")):
     """Mean of the main measures per value of each grid axis: rows of (axis, value, means...)."""
@@ -174,24 +157,16 @@ def summary_table(df, spec, measures=("consensus_rate", "consensus_rate_pred", "
 
 
 def render_html(folder: str, df, spec, info: dict, figures: Sequence[str]) -> str:
-    """The report: what was swept, a summary per grid value, the figures, settings and timing."""
+    """The report (:mod:`powerlens.analysis.report_html`): what was swept, a summary per grid
+    value, the figures (embedded), the spec, versions, devices and timing."""
     e = html.escape
     head, rows = summary_table(df, spec)
-    fmt = lambda v: "–" if v is None else (f"{v:.4g}" if isinstance(v, float) else e(str(v)))
-    table = ("<div class='scroll'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>"
-             + "".join("<tr>" + "".join(f"<td>{fmt(v)}</td>" for v in r) + "</tr>" for r in rows)
-             + "</table></div>")
     axes = ", ".join(f"{k} ({len(v)} values)" for k, v in spec.grid.items())
     what = (f"model {e(spec.model['name'])}, layers {e(str(spec.model['layers']))}, {len(spec.model['prompts'])} "
             f"prompts" if spec.model else f"{spec.replicates} replicates per point")
-    return "".join([
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>powerlens sweep: {e(spec.name)}</title><style>{STYLE}</style></head><body>",
-        f"<h1>powerlens sweep: {e(spec.name)}</h1>",
+    return page.page(f"powerlens sweep: {spec.name}", [
         f"<p>{len(df):,} systems over a grid of {e(axes)}; {what}. Every number below is computed from "
         f"<code>results.parquet</code>.</p>",
-        "<h2>Summary per grid value</h2>", table,
-        "<h2>Figures</h2><div class='figures'>", "".join(_embed(folder, f) for f in figures), "</div>",
-        "<h2>Spec, versions, devices and timing</h2>",
-        f"<pre>{e(json.dumps(info, indent=2, default=str))}</pre></body></html>"])
+        "<h2>Summary per grid value</h2>", page.table(head, rows),
+        "<h2>Figures</h2>", page.figures(folder, figures),
+        "<h2>Spec, versions, devices and timing</h2>", page.json_block(info)])

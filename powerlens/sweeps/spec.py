@@ -243,7 +243,6 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
               "prompts": names(nonempty=True)},
 }
 TABLES = ("grid", "system", "run", "measure", "model")
-SYNTHETIC_ONLY = tuple(k for k in SCHEMA["system"])
 
 
 @dataclasses.dataclass(frozen=True)

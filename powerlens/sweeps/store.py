@@ -1,16 +1,23 @@
-"""Where finished chunks live, and the rules of a sweep's output folder.
+"""The one chunk store of ``sweep`` and ``reproduce``, and the rules of a sweep's output folder.
 
-A store has one method, ``cached(name, compute)``: the stored value of chunk ``name``, or
-``compute()`` stored and returned (values go through JSON both ways, so a resumed sweep
-gives exactly the numbers of an uninterrupted one); and may have ``replace(name, value)``,
-which stores a recomputed chunk in place of one that did not match its sweep (the engine
-checks every stored chunk's provenance: :meth:`powerlens.sweeps.engine.Engine.mismatch`).
-Three kinds:
+A store has three methods:
 
-* :class:`ChunkFolder`: ``OUT/.chunks/NAME.json`` of a ``powerlens sweep`` folder, written
-  atomically; every process of a multi-process sweep writes its own chunks there;
+* ``cached(name, compute)``: the stored value of chunk ``name``, or ``compute()`` stored and
+  returned. Values go through JSON both ways (:func:`jsonable`), so a resumed run gives
+  exactly the numbers of an uninterrupted one;
+* ``replace(name, value)``: store a recomputed chunk in place of one that did not match its
+  sweep (the engine checks every stored chunk's provenance:
+  :meth:`powerlens.sweeps.engine.Engine.mismatch`), so a stale chunk is recomputed once;
+* ``adopt(names)``: count chunks ``names``, written by another process of the same run (a
+  ``reproduce --jobs`` worker), as computed rather than resumed when they are read.
+
+``loaded`` and ``computed`` count the chunks resumed (read back and kept) and computed (or adopted). Two kinds:
+
 * :class:`MemoryStore`: a dict (``pl.sweep(spec)`` without ``out``);
-* ``reproduce``'s own :class:`~powerlens.reproduce.store.ChunkStore` (same protocol).
+* :class:`ChunkFolder`: one JSON file per chunk, written atomically (:func:`powerlens.io.write_json`),
+  under ``OUT/.chunks/`` (a ``powerlens sweep`` folder: every process of a multi-process
+  sweep writes its own chunks there) or ``OUT/.chunks/KEY/`` with KEY a hash of the run's
+  settings (``powerlens reproduce``). A damaged file is recomputed and rewritten.
 
 Folder rules (:func:`check_folder`): an absent or empty folder starts a sweep; a folder
 this spec wrote resumes; a sweep with a different spec, or another command's folder, is
@@ -20,9 +27,11 @@ always refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from typing import Any, Callable, Dict
+import shutil
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from .. import io
 from .spec import differing_keys
@@ -32,63 +41,97 @@ COMMAND = "sweep"
 FILES = ("results.parquet", "results.csv", "sweep.json", "report.html")   # what a finished sweep writes ...
 FOLDERS = {CHUNKS: "*.json", "figures": "*.png"}                         # ... beside its chunks and figures
 
+_ABSENT = object()
+
 
 def jsonable(value: Any) -> Any:
     """The value as it reads back from JSON (NaN -> None, arrays -> lists)."""
     return json.loads(json.dumps(io.to_jsonable(value), allow_nan=False))
 
 
+def settings_key(settings: dict) -> str:
+    """16 hex digits of sha256 of ``settings`` (sorted JSON): the chunk subfolder of a run."""
+    blob = json.dumps(io.to_jsonable(settings), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 class MemoryStore:
-    """Chunks in a dict (nothing written)."""
+    """Chunks in a dict (nothing written); the protocol of every store (module docstring)."""
 
     def __init__(self):
         self.values: Dict[str, Any] = {}
-        self.loaded = self.computed = 0
+        self.computed = 0
+        self._loaded: set = set()           # names read back and not replaced since
+        self._adopted: set = set()
+
+    @property
+    def loaded(self) -> int:
+        """Chunks read back (resumed) and kept: a stale one that was replaced counts as computed."""
+        return len(self._loaded)
+
+    def adopt(self, names: Iterable[str]) -> None:
+        """Count chunks ``names``, computed by another process of this run, as computed here."""
+        self._adopted.update(names)
 
     def cached(self, name: str, compute: Callable[[], Any]) -> Any:
-        if name in self.values:
-            self.loaded += 1
-            return self.values[name]
-        value = self.values[name] = jsonable(compute())
-        self.computed += 1
+        """The stored value of chunk ``name``, else ``compute()`` stored and returned."""
+        value = self._read(name)
+        if value is _ABSENT:
+            return self.replace(name, compute())
+        if name in self._adopted:
+            self.computed += 1
+        else:
+            self._loaded.add(name)
         return value
 
     def replace(self, name: str, value: Any) -> Any:
-        """Store ``value`` as chunk ``name``, in place of what was there."""
-        value = self.values[name] = jsonable(value)
+        """Store ``value`` as chunk ``name``, in place of what was there; returns it as stored."""
+        value = jsonable(value)
+        self._write(name, value)
+        self._loaded.discard(name)
         self.computed += 1
         return value
+
+    def _read(self, name: str) -> Any:
+        return self.values.get(name, _ABSENT)
+
+    def _write(self, name: str, value: Any) -> None:
+        self.values[name] = value
 
 
 class ChunkFolder(MemoryStore):
-    """Chunks as JSON files under ``OUT/.chunks/`` (atomic writes; a damaged one is recomputed)."""
+    """Chunks as JSON files under ``OUT/.chunks/`` or, with ``settings``, ``OUT/.chunks/KEY/``
+    (KEY = :func:`settings_key`): atomic writes; a damaged file reads as absent (recomputed).
+    Chunk names map to file names with every character but letters, digits, ``-_.`` as ``_``."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, settings: Optional[dict] = None):
         super().__init__()
-        self.root = os.path.join(out, CHUNKS)
+        self.root = os.path.join(out, CHUNKS) if settings is None else os.path.join(out, CHUNKS, settings_key(settings))
         os.makedirs(self.root, exist_ok=True)
 
     def path(self, name: str) -> str:
-        return os.path.join(self.root, name + ".json")
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        return os.path.join(self.root, safe + ".json")
 
-    def cached(self, name: str, compute: Callable[[], Any]) -> Any:
+    def _read(self, name: str) -> Any:
         path = self.path(name)
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    value = json.load(fh)
-                self.loaded += 1
-                return value
-            except (ValueError, RecursionError):        # damaged: recomputed
-                pass
-        return self.replace(name, compute())
+        if not os.path.isfile(path):
+            return _ABSENT
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return json.load(fh)
+        except (ValueError, RecursionError):        # damaged (writes are atomic, so rare): recomputed
+            return _ABSENT
 
-    def replace(self, name: str, value: Any) -> Any:
-        """Write ``value`` as chunk ``name`` (atomically), in place of what was there."""
-        value = jsonable(value)
+    def _write(self, name: str, value: Any) -> None:
         io.write_json(self.path(name), value)
-        self.computed += 1
-        return value
+
+    def clear(self) -> None:
+        """Remove this store's chunks (its folder, and ``.chunks/`` if that leaves it empty)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        parent = os.path.dirname(self.root)
+        if os.path.basename(parent) == CHUNKS and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
 
 
 def check_folder(target: str, spec: dict, overwrite: bool) -> str:

@@ -5,10 +5,10 @@ columns are measured against (a batch adds a leading axis S to every array). It 
 from one of three builders:
 
 * ``synthetic`` (the default): built on the device, inside the compiled program, from
-  the system's seed alone (:func:`synthetic`): F = Q D Q^T (symmetric, normal) or
-  S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum (LAPACK-free:
-  :mod:`powerlens.sweeps.linalg`), split over the
-  heads exactly as :func:`powerlens.dynamics.synthetic.synthetic_system` does, Gaussian
+  the system's seed and grid values alone by :func:`powerlens.dynamics.synthetic.synthetic`
+  (:func:`synthetic` arranges its facts for the measures): F = Q D Q^T (symmetric, normal)
+  or S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum (LAPACK-free:
+  :mod:`powerlens.dynamics.linalg`), split over the heads by the least-squares rule, Gaussian
   queries/keys of inverse temperature beta. The spectrum is known by construction, so the
   principal subspaces are columns of Q (or S), never an ``eig``;
 * a model (``[model]``): each listed layer iterated as a shared-weight system over the
@@ -19,9 +19,10 @@ from one of three builders:
   builder is user code, imported and run as it is (:func:`host_builder`: from an installed
   module, or from the file ``builder_path`` names, never from the current directory).
 
-Eigenvalue groups follow :mod:`powerlens.analysis.spectra`: the principal group is every
-eigenvalue whose key (|1+lambda| shifted, |lambda| plain) is within 1e-4 of the largest;
-lambda_2 is the first eigenvalue after it, lambda_3 the first after lambda_2's group.
+Eigenvalue groups follow one rule (:func:`powerlens.dynamics.linalg.group_size`, tolerance
+``GROUP_RTOL``): the principal group is every eigenvalue whose key (|1+lambda| shifted,
+|lambda| plain) is within it of the largest; lambda_2 is the first eigenvalue after it,
+lambda_3 the first after lambda_2's group.
 """
 from __future__ import annotations
 
@@ -46,10 +47,8 @@ from ..dynamics.params import LayerConfig, Layers
 from ..dynamics.schedule import Schedule
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
 from ..dynamics.sweep import stack_systems
-from ..dynamics.synthetic import parse_spectrum
-from .linalg import gram_schmidt, haar_q, solve
-
-GROUP_RTOL = 1e-4
+from ..dynamics.linalg import group_size
+from ..dynamics.synthetic import SyntheticConfig, synthetic as build_synthetic
 
 
 @struct.dataclass
@@ -107,150 +106,33 @@ class Static:
     def dtype(self):
         return jnp.float64 if self.x64 else jnp.float32
 
+    @property
+    def synthetic(self) -> SyntheticConfig:
+        """The static shape of this group's synthetic systems."""
+        return SyntheticConfig(d=self.d, tokens=self.tokens, heads=self.heads, kind=self.kind,
+                               spectrum=self.spectrum, init=self.init, steps=self.steps, order=self.order,
+                               x64=self.x64)
+
 
 # ------------------------------------------------------------------ synthetic, on the device
 
-def _orthonormal(A, keep, orthogonal: bool = False):
-    """Orthonormal basis "float[d k]" of the leading columns of A "float[d k]" that ``keep``
-    (a prefix mask); the others are zero. ``orthogonal``: A's columns already are."""
-    return A * keep if orthogonal else gram_schmidt(A, keep)
-
-
-def _groups(lam_re, lam_im, keys):
-    """Sorted slots, the principal group and the next one.
-
-    Returns (order "int[d]", dim1, dim2, lam "float[3 2]") for slot eigenvalues
-    lam_re + i lam_im with keys "float[d]"; lambda_2/3 are NaN when absent."""
-    d = keys.shape[0]
-    order = jnp.argsort(-keys, stable=True)
-    ks = keys[order]
-    in1 = ks >= ks[0] * (1 - GROUP_RTOL) - 1e-12
-    dim1 = jnp.sum(in1)
-    mu2 = ks[jnp.minimum(dim1, d - 1)]
-    in2 = (~in1) & (ks >= mu2 * (1 - GROUP_RTOL) - 1e-12)
-    dim2 = jnp.sum(in2)
-
-    def pick(pos):
-        i = order[jnp.minimum(pos, d - 1)]
-        ok = pos < d
-        return jnp.where(ok, jnp.stack([lam_re[i], jnp.abs(lam_im[i])]), jnp.nan)
-
-    lam = jnp.stack([pick(0), pick(dim1), pick(dim1 + dim2)])
-    return order, dim1, dim2, lam
-
-
-def _draws(key, shapes: Dict[str, Tuple[int, ...]], dt, sampler):
-    """One call of ``sampler`` for all the named shapes (a single PRNG kernel to compile), split."""
-    sizes = [int(np.prod(s)) for s in shapes.values()]
-    flat = sampler(key, (sum(sizes),), dt)
-    out, i = {}, 0
-    for (name, shape), size in zip(shapes.items(), sizes):
-        out[name] = flat[i:i + size].reshape(shape)
-        i += size
-    return out
-
-
-def _slots(u, p, st: Static, dt):
-    """The eigenvalue of every slot of D: (re, im, pair_start) "float[d]" x2, "bool[d]";
-    ``u`` "float[d+3]" uniform draws for a random spectrum."""
-    d = st.d
-    if st.spectrum != "random":
-        re, im, start = [], [], []
-        for z in parse_spectrum(st.spectrum):
-            if z.imag:
-                re += [z.real, z.real]
-                im += [abs(z.imag), -abs(z.imag)]
-                start += [True, False]
-            else:
-                re.append(z.real)
-                im.append(0.0)
-                start.append(False)
-        pad = d - len(re)
-        return (jnp.asarray(re + [0.0] * pad, dt), jnp.asarray(im + [0.0] * pad, dt),
-                jnp.asarray(start + [False] * pad))
-    lo_hi = lambda r, x: r[0] + (r[1] - r[0]) * x
-    top = lo_hi(p["top"], u[0])
-    rest = lo_hi(p["rest"], u[3:])
-    real_re = jnp.concatenate([top[None], rest[: d - 1]])
-    if st.kind == "symmetric" or d < 2:          # a symmetric F has no complex pair, whatever ``pair`` says
-        return real_re, jnp.zeros(d, dt), jnp.zeros(d, bool)
-    is_pair = u[1] < p["pair"]
-    b = lo_hi(p["imag"], u[2])
-    pair_re = jnp.concatenate([top[None], top[None], rest[: d - 2]])
-    pair_im = jnp.zeros(d, dt).at[0].set(b).at[1].set(-b)
-    first = jnp.zeros(d, bool).at[0].set(True)
-    return (jnp.where(is_pair, pair_re, real_re), jnp.where(is_pair, pair_im, 0.0), first & is_pair)
-
-
 def synthetic(seed, p: Dict[str, Any], st: Static) -> Systems:
     """One synthetic system from its seed "int[]" and dynamic values ``p`` (beta, top, rest,
-    imag, pair, nonnormality, cone, noise; ranges "float[2]"). Pure: vmap and jit it."""
-    dt = st.dtype
-    d, H, n = st.d, st.heads, st.tokens
-    e = d // H
-    k1, k2 = min(d, 2), min(d, 4)
-    k_normal, k_uniform = jax.random.split(jax.random.key(seed))
-    z = _draws(k_normal, {"basis": (d, d), "value": (H * e, d), "qk": (2, H, e, d), "random": (d, k1),
-                          "axis": (d,), "tokens": (n, d)}, dt, jax.random.normal)
-    u = _draws(k_uniform, {"spectrum": (d + 3,), "angle": (n, 1)}, dt, jax.random.uniform)
-    re, im, start = _slots(u["spectrum"], p, st, dt)
-    sup = jnp.where(start[:-1], jnp.abs(im[:-1]), 0.0)
-    D = jnp.diag(re) + jnp.diag(sup, 1) - jnp.diag(sup, -1)
-    if st.kind == "nonnormal":
-        E = jnp.eye(d, dtype=dt) + p["nonnormality"] * z["basis"] / np.sqrt(d)
-        F = solve(E.T, (E @ D).T).T                                 # S D S^-1
-    else:
-        E = haar_q(z["basis"])
-        F = E @ D @ E.T
-    V = z["value"] / np.sqrt(d)
-    W_o = solve(V.T, F.T).T                                         # F V^-1 (H e = d)
-    W_q, W_k = z["qk"]
-    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=Schedule.repeat(0, st.steps))
-    layers = Layers(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
-                    scale=jnp.full((1,), p["beta"] / np.sqrt(e), dt), window=jnp.zeros((1,), jnp.int32),
-                    config=cfg)
+    imag, pair, nonnormality, cone, noise; ranges "float[2]"): the system and facts of
+    :func:`powerlens.dynamics.synthetic.synthetic`, arranged for the measures. Pure: vmap and jit it."""
+    layers, f = build_synthetic(seed, p, st.synthetic)
+    return Systems(layers=layers, x0=f["x0"], valid=jnp.ones(st.tokens, bool), subspaces=synthetic_subspaces(f),
+                   direction=f["direction"], v1=f["v1"], lam=f["lam"], dim=f["dim"], top2=f["top2"],
+                   x0_exact=f["x0_exact"])
 
-    order, dim1, dim2, lam = _groups(re, im, jnp.hypot(1.0 + re, im))
-    orth = st.kind != "nonnormal"
-    B = _orthonormal(E[:, order[:k1]], jnp.arange(k1) < dim1, orth)
-    if k1 == 2:                                 # orient a complex-pair plane: I + F turns it counter-clockwise
-        T2 = B.T @ F @ B
-        flip = (dim1 == 2) & (lam[0, 1] > 0) & (T2[1, 0] - T2[0, 1] < 0)
-        B = B.at[:, 1].multiply(jnp.where(flip, -1.0, 1.0))
-    top2 = _orthonormal(E[:, order[:k2]], jnp.arange(k2) < dim1 + dim2, orth)
-    if st.order == "shifted":
-        P, pdim = B, dim1
-    else:
-        porder, pdim, _, _ = _groups(re, im, jnp.hypot(re, im))
-        P = _orthonormal(E[:, porder[:k1]], jnp.arange(k1) < pdim, orth)
-    rand = _orthonormal(z["random"], jnp.arange(k1) < pdim)
-    subs = Subspaces(basis=jnp.stack([P, rand, jnp.zeros_like(P)])[None],
+
+def synthetic_subspaces(facts) -> Subspaces:
+    """The references of a synthetic system's alignment measures ("float[1 m d k1]", in
+    :data:`REFERENCES` order) from its facts: the principal basis, the random control of the
+    same dimension, no other layer."""
+    P, pdim = facts["principal"], facts["principal_dim"]
+    return Subspaces(basis=jnp.stack([P, facts["random"], jnp.zeros_like(P)])[None],
                      dim=jnp.stack([pdim, pdim, 0]).astype(jnp.int32)[None], names=REFERENCES)
-    v1 = B[:, 0] * (dim1 == 1)
-    x0, exact = _tokens(z, u, p, st, B[:, 0])
-    return Systems(layers=layers, x0=x0, valid=jnp.ones(n, bool), subspaces=subs, direction=B, v1=v1,
-                   lam=lam, dim=dim1.astype(jnp.int32), top2=top2, x0_exact=exact)
-
-
-def _unit_rows(x):
-    return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-
-
-def _tokens(z, u, p, st: Static, v):
-    """Initial tokens "float[n d]" (and the exact bipartite start, or None) as in
-    :mod:`powerlens.dynamics.synthetic`, from the normal draws ``z["axis"]``, ``z["tokens"]``
-    and the uniform ``u["angle"]``: sphere, cone around a random axis, or +-v + noise."""
-    g = z["tokens"]
-    if st.init == "sphere":
-        return _unit_rows(g), None
-    if st.init == "cone":
-        a = z["axis"] / jnp.linalg.norm(z["axis"])
-        theta = u["angle"] * p["cone"]
-        g = _unit_rows(g - jnp.outer(g @ a, a))
-        return jnp.cos(theta) * a + jnp.sin(theta) * g, None
-    s = jnp.where(jnp.arange(st.tokens) < st.tokens // 2, 1.0, -1.0).astype(g.dtype)[:, None]
-    exact = s * v[None]
-    return _unit_rows(exact + p["noise"] * g), exact
 
 
 # ------------------------------------------------------------------ host builders
@@ -268,9 +150,7 @@ def spectral_lambdas(shifted) -> np.ndarray:
     i2 = shifted.dim
     if i2 < ev.size:
         out[1] = [_canonical(ev[i2]).real, _canonical(ev[i2]).imag]
-        j = i2 + 1
-        while j < ev.size and keys[j] >= keys[i2] * (1 - GROUP_RTOL) - 1e-12:
-            j += 1
+        j = i2 + int(group_size(keys, i2))
         if j < ev.size:
             out[2] = [_canonical(ev[j]).real, _canonical(ev[j]).imag]
     return out

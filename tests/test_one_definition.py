@@ -1,0 +1,254 @@
+"""One definition of each thing: each shared piece is checked once, through the code that uses it."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+# --- stores and reports
+
+TINY_SPEC = """
+name = "tiny"
+seed = 5
+[grid]
+beta = [0.5, 2.0]
+[system]
+d = 4
+tokens = 4
+heads = 1
+replicates = 2
+[run]
+steps = 6
+"""
+
+
+def _tiny_spec(tmp_path):
+    from powerlens.sweeps.spec import load_spec
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SPEC)
+    return load_spec(str(path))
+
+
+def test_reproduce_store_rewrites_a_stale_chunk_once_then_loads_it(tmp_path, capsys):
+    """reproduce runs its sweeps into the one store (:class:`ChunkFolder` keyed by the run's
+    settings). A chunk whose rows no longer match their checksum is recomputed and rewritten
+    in place, once: the next run loads every chunk and recomputes nothing."""
+    from powerlens.sweeps.engine import run_sweep
+    from powerlens.sweeps.store import ChunkFolder, settings_key
+    spec, settings = _tiny_spec(tmp_path), {"quick": True, "seed": 5}
+
+    def run():
+        store = ChunkFolder(str(tmp_path / "out"), settings)
+        table = run_sweep(spec, store, progress=False, prefix="s1-").table
+        return store, table, capsys.readouterr().err
+
+    first, table, _ = run()
+    folder = tmp_path / "out" / ".chunks" / settings_key(settings)
+    files = sorted(folder.glob("s1-*.json"))
+    assert first.root == str(folder) and len(files) == first.computed >= 1 and first.loaded == 0
+    fresh = files[0].read_bytes()
+    stale = json.loads(fresh)
+    name = next(k for k, v in stale["columns"].items() if isinstance(v[0], float))
+    stale["columns"][name][0] += 1.0                  # an edited row: its checksum no longer matches
+    files[0].write_text(json.dumps(stale))
+
+    second, table2, err = run()
+    assert f"stored chunk {files[0].stem} has rows that do not match its checksum" in err
+    assert second.computed == 1 and second.loaded == len(files) - 1
+    assert files[0].read_bytes() == fresh             # rewritten: the same bytes as when first computed
+    assert table2.equals(table)
+
+    third, table3, err = run()
+    assert err == "" and third.computed == 0 and third.loaded == len(files)
+    assert table3.equals(table)
+
+
+def test_one_store_keys_adopts_clears_and_round_trips_through_json(tmp_path):
+    """The store of both commands: values read back as JSON gives them (NaN -> None, arrays ->
+    lists) whether computed or loaded; a name becomes a safe file name; chunks a worker
+    process wrote count as computed when read (``adopt``); a damaged file is recomputed;
+    ``clear`` removes the run's folder and an emptied ``.chunks``, nothing else."""
+    from powerlens.sweeps.store import ChunkFolder, MemoryStore
+    value = {"x": np.float32(0.5), "y": float("nan"), "z": np.arange(3)}
+    expect = {"x": 0.5, "y": None, "z": [0, 1, 2]}
+    memory = MemoryStore()
+    assert memory.cached("a", lambda: value) == expect and memory.cached("a", lambda: 1 / 0) == expect
+    assert (memory.loaded, memory.computed) == (1, 1)
+
+    out = tmp_path / "out"
+    (out / "keep.txt").parent.mkdir()
+    (out / "keep.txt").write_text("mine")
+    store = ChunkFolder(str(out), {"seed": 0})
+    assert store.cached("s5/model a", lambda: value) == expect
+    assert os.path.basename(store.path("s5/model a")) == "s5_model_a.json"
+    worker = ChunkFolder(str(out), {"seed": 0})       # another process of the same run
+    worker.cached("w", lambda: {"by": "worker"})
+    store.adopt(["w"])
+    assert store.cached("w", lambda: 1 / 0) == {"by": "worker"}
+    assert store.cached("s5/model a", lambda: 1 / 0) == expect
+    assert (store.loaded, store.computed) == (1, 2)
+    with open(store.path("w"), "w") as fh:
+        fh.write('{"by": ')                            # damaged: recomputed and rewritten
+    assert store.cached("w", lambda: {"by": "main"}) == {"by": "main"}
+    assert json.loads(open(store.path("w")).read()) == {"by": "main"}
+    other = ChunkFolder(str(out), {"seed": 1})         # other settings: another folder
+    assert other.root != store.root and other.cached("w", lambda: 2) == 2
+    store.clear()
+    assert not os.path.exists(store.root) and os.path.isdir(other.root)
+    other.clear()
+    assert sorted(os.listdir(out)) == ["keep.txt"]
+
+
+def test_sweep_and_reproduce_reports_share_one_renderer(tmp_path):
+    """Both report.html pages come from :mod:`powerlens.analysis.report_html`: one stylesheet,
+    one figure embedding. A sweep report names a missing figure instead of failing, shows a
+    NaN mean as "–" and gives a landscape figure a full row, as the reproduce report does."""
+    import types
+    import pandas as pd
+    from matplotlib.figure import Figure
+    from powerlens.analysis import report_html
+    from powerlens.reproduce.report import render_html as reproduce_html
+    from powerlens.reproduce.section import SectionResult
+    from powerlens.sweeps.report import render_html as sweep_html
+    os.makedirs(tmp_path / "figures")
+    fig = Figure(figsize=(10, 4), dpi=80)
+    fig.subplots().plot([0, 1])
+    fig.savefig(tmp_path / "figures" / "wide.png")
+    spec = types.SimpleNamespace(name="s", grid={"beta": [1.0, 2.0]}, model=None, replicates=1)
+    df = pd.DataFrame({"beta": [1.0, 2.0], "final_gamma": [0.25, float("nan")]})
+    sweep = sweep_html(str(tmp_path), df, spec, {"k": 1}, ["figures/wide.png", "figures/absent.png"])
+    section = SectionResult("a", "A", "claim", "supported", "ok", figures=["figures/wide.png", "figures/absent.png"])
+    reproduce = reproduce_html([section], {"k": 1}, str(tmp_path))
+    for page in (sweep, reproduce):
+        assert page.count(f"<style>{report_html.STYLE}</style>") == 1
+        assert page.count('<figure class="wide"><img alt="wide.png" src="data:image/png;base64,') == 1
+        assert '<p class="missing">missing figure figures/absent.png</p>' in page
+    assert "<td>beta</td><td>2</td><td>–</td>" in sweep.replace(".0<", "<")
+    assert "<td>beta</td><td>1</td><td>0.25</td>" in sweep.replace(".0<", "<")
+
+
+def test_solve_pivot_guard_flags_a_singular_system_without_inf_or_nan():
+    """sweeps' LAPACK-free solve: [[1, 2], [2, 4]] is singular (its second pivot is exactly 0
+    after one elimination step): the flag is set and X stays finite (before the guard it was
+    inf/NaN). A zero leading entry is only a row swap: [[0, 1], [1, 0]] is its own inverse,
+    unflagged. The zero matrix is flagged. Batched with vmap, each system gets its own flag."""
+    from powerlens.sweeps.linalg import solve
+    with jax.enable_x64(True):
+        eye = jnp.eye(2, dtype=jnp.float64)
+        X, singular = solve(jnp.asarray([[1.0, 2.0], [2.0, 4.0]]), eye)
+        assert bool(singular) and np.isfinite(np.asarray(X)).all()
+        swap = jnp.asarray([[0.0, 1.0], [1.0, 0.0]])
+        X, singular = solve(swap, eye)
+        assert not bool(singular)
+        np.testing.assert_array_equal(np.asarray(X), np.asarray(swap))
+        X, singular = jax.vmap(solve)(jnp.stack([swap, jnp.zeros((2, 2))]), jnp.stack([eye, eye]))
+        np.testing.assert_array_equal(np.asarray(singular), [False, True])
+        assert np.isfinite(np.asarray(X)).all()
+
+
+@pytest.mark.parametrize("delta", [1e-6, 1e-9])
+def test_solve_near_singular_is_solved_not_flagged(delta):
+    """A = [[1, 1], [1, 1 + delta]] is nonsingular with A^-1 = [[1 + delta, -1], [-1, 1]] / delta
+    (cond ~ 4 / delta): solved to about cond * eps in float64, and not flagged; and a random
+    well-conditioned 6x6 system matches A X = B to 1e-12."""
+    from powerlens.sweeps.linalg import solve
+    with jax.enable_x64(True):
+        A = jnp.asarray([[1.0, 1.0], [1.0, 1.0 + delta]])
+        X, singular = solve(A, jnp.eye(2, dtype=jnp.float64))
+        exact = np.array([[1.0 + delta, -1.0], [-1.0, 1.0]]) / delta
+        assert not bool(singular)
+        np.testing.assert_allclose(np.asarray(X), exact, rtol=4 / delta * 1e-15 * 10)
+        rng = np.random.default_rng(0)
+        A, B = rng.standard_normal((6, 6)), rng.standard_normal((6, 3))
+        X, singular = solve(jnp.asarray(A), jnp.asarray(B))
+        assert not bool(singular)
+        np.testing.assert_allclose(A @ np.asarray(X), B, atol=1e-12)
+
+
+# --- execution
+
+def test_map_systems_pads_micro_batches_and_equals_the_plain_vmap():
+    """5 items on one device in micro-batches of 2: padded to 6 (the last item repeated), run
+    in three lax.map steps, the padding dropped; each output equals vmap(fn) over the 5."""
+    import jax
+    import jax.numpy as jnp
+    from powerlens.dynamics import execution
+    fn = lambda a, b: {"s": jnp.sin(a) @ b, "n": jnp.sum(a * a)}
+    a = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    assert execution.padded_size(5, 1, 2) == 6 and execution.padded_size(5, 4, None) == 8
+    padded = execution.pad_systems((a, b), 6)
+    np.testing.assert_array_equal(padded[0][5], a[4])
+    out = execution.map_systems(fn, (a, b), devices=1, micro=2)
+    ref = jax.vmap(fn)(a, b)
+    assert out["s"].shape == (5, 3) and out["n"].shape == (5,)
+    for k in ref:
+        np.testing.assert_allclose(np.asarray(out[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-6)
+    kept = execution.map_systems(fn, (a, b), devices=1, micro=2, size=7, trim=False)
+    assert kept["n"].shape == (8,)                          # a chunk's size, to whole micro-batches
+    shared = execution.map_systems(lambda c, x: c["w"] * x, (b,), shared={"w": jnp.float32(3)}, devices=1,
+                                   micro="all")
+    np.testing.assert_allclose(np.asarray(shared), 3 * b, rtol=1e-6)
+    with pytest.raises(ValueError, match="micro 0"):
+        execution.micro_size(0)
+
+
+def test_one_mesh_and_one_sharding_for_the_three_users(monkeypatch):
+    """simulate_sweep, the sweep engine and the steering optimiser all run through map_systems,
+    whose mesh and placement are built by device_mesh and mapped_sharding alone (no other
+    module builds a Mesh or a NamedSharding)."""
+    import pathlib
+    import powerlens
+    from powerlens.dynamics import execution
+    root = pathlib.Path(powerlens.__file__).parent
+    for name in ("Mesh(", "make_mesh(", "NamedSharding("):
+        users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if name in p.read_text())
+        assert users == ["dynamics/execution.py"], (name, users)
+    calls = []
+    real = execution.device_mesh
+    monkeypatch.setattr(execution, "device_mesh", lambda *a, **k: calls.append("mesh") or real(*a, **k))
+    import powerlens as pl
+    from powerlens.analysis.spectra import sweep_subspaces
+    from powerlens.dynamics.sweep import simulate_sweep, stack_systems
+    from powerlens.steering.optimize import optimize_steering
+    from powerlens.sweeps.engine import Engine
+    from powerlens.sweeps.spec import load_spec
+    systems = [pl.synthetic_system([1.5, 0.2], kind="symmetric", heads=2, d=4, seed=i, steps=3) for i in range(3)]
+    _, subs = sweep_subspaces(systems)
+    X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 3, 4) for i in range(3)])
+    simulate_sweep(stack_systems(systems), X0, subs)
+    assert calls == ["mesh"]
+    Engine(load_spec({"name": "m", "grid": {"beta": [1.0]}, "system": {"d": 4, "tokens": 3, "heads": 2},
+                      "run": {"steps": 3}}))
+    assert calls == ["mesh"] * 2
+    optimize_steering(systems[0], X0[:1], np.eye(4)[:1], target=0.6, steps=2, param="w_alpha")
+    assert calls == ["mesh"] * 3
+
+
+MULTI_DEVICE = r"""
+import numpy as np, jax, jax.numpy as jnp
+from powerlens.dynamics import execution
+assert jax.device_count() == 4
+fn = lambda a: jnp.tanh(a) * 2.0
+a = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)   # 10 over 4 devices: padded to 12
+out = execution.map_systems(fn, (a,), devices=4, micro=2)                 # shares of 3 -> 4: two micro-batches
+assert out.shape == (10, 3), out.shape
+np.testing.assert_allclose(np.asarray(out), np.asarray(jax.vmap(fn)(a)), rtol=1e-6)
+whole = execution.map_systems(fn, (a,), devices=4, micro=2, trim=False)
+assert whole.shape == (16, 3) and len(whole.sharding.device_set) == 4
+print("SHARDED", len(whole.sharding.device_set))
+"""
+
+
+def test_map_systems_shards_a_count_that_does_not_divide_four_devices():
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", MULTI_DEVICE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "SHARDED 4" in done.stdout
