@@ -1,42 +1,94 @@
-"""Benchmark: gradient steering of 64 target directions, one vmapped run vs a Python loop.
+"""Benchmark: gradient steering, the token objective against torch, and the alignment objective
+vmapped against a Python loop.
 
-Two comparisons, compilation excluded (each is warmed up first; best of ``--repeats``, default 10):
+``--problem token`` (the default): ``objective="token"`` (powerlens.steering.token) on SmolLM2,
+64 target tokens, 200 Adam steps, rank-1 ``lowrank`` edits dO = n0 P Q^T of the last layer's
+W_o, target probability 0.5 at each prompt's last token, mean control KL <= 0.5 nats, against
+the same problem in torch. Both sides start from the same point (powerlens's closed-form ray
+start, :func:`start_point`) and run the same maths per Adam step, for all K targets at once:
+
+    the last layer (RMSNorm, fused q/k/v, RoPE, GQA attention, W_o + dO_k, SiLU-gated MLP)
+      on the tokens entering it (the 29 layers before it run once, outside the loop),
+    the model's final norm, LM head and log-softmax at each prompt's last token,
+    loss = ||dO||^2 / n0^2 + the augmented-Lagrangian terms of g_b = log 0.5 - log p(t | b)
+      and g_kl = mean KL - 0.5 (one multiplier each, updated every 10 steps),
+    Adam (b1 0.9, b2 0.999, eps 1e-8), step size on a cosine decay from 3e-3 to 1.5e-4.
+
+powerlens: :func:`~powerlens.steering.lagrangian.constrained_adam` over the token constraints
+of :mod:`powerlens.steering.token` (the loop of ``solve_token_one``), vmapped over the targets
+in one compiled program. torch: one model, the K edits one (K, d, H e) tensor, eager autograd,
+``torch.optim.Adam`` with a ``LambdaLR`` equal to optax's cosine decay, no Python loop over
+the targets (:func:`torch_token_solve`). Both sides compute the edited layer at every token
+(only the last one reaches the head; restricting the layer to it would help both alike).
+
+Agreement: both sides run the first ``--check-steps`` (3) steps from the same start and the
+per-step ||dO||^2 / n0^2 and min_b log p(t | b) must agree to float32 precision (relative 1e-4;
+the run fails otherwise); powerlens's composed loop is also checked against the public
+``pl.optimize_steering`` over the same steps. Timing: one run of ``--steps`` steps each,
+JAX's compilation timed apart; both frameworks on ``--threads`` CPU cores (torch
+``set_num_threads``; XLA through the process's CPU affinity, set before JAX starts).
+
+``--problem minilm|synthetic|alignment`` (the earlier workloads): the alignment objective's
+optax solve for 64 directions, one vmapped run against one call per direction:
 
   solve only   the same pure ``solve_one`` (powerlens.steering.optimize), same optax steps,
-               same prepared problem (tokens entering the steered layer, its unsteered
-               output p and head mix m, the reduced bases; computed once): one jit-compiled
-               ``vmap`` over the directions vs one jit-compiled call per direction;
+               same prepared problem; one jit-compiled ``vmap`` over the directions vs one
+               jit-compiled call per direction;
   public API   ``optimize_steering(layers, x0, D)`` once with all directions vs once per
-               direction (what a user's loop does: each call also prepares its problem).
-
-Problems:
+               direction (each call also prepares its problem).
 
   minilm     all-MiniLM-L6-v2 (d = 384, 12 heads), its last layer steered, 2 prompts
              (24 tokens), 64 random unit directions, sign-free worst-token alignment 0.9
   synthetic  one softmax layer, d = 16, 4 heads, non-normal spectrum (2, 1, -0.5),
              4 prompts x 8 tokens in a cone, 64 targets at 0.9 rad from its axis
 
-    python benchmarks/steering.py [--problem minilm|synthetic|both] [--steps 200] [--directions 64]
+    python benchmarks/steering.py [--problem token|minilm|synthetic|alignment|all]
+                                  [--steps 200] [--targets 64] [--tiny]
+
+``--tiny`` (seconds; what the test suite runs): the token objective on a random two-layer
+Llama-like decoder, 2 targets, 3 steps; it writes no results file unless given ``--doc``.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 
-# Expose every CPU core as a JAX host device, so the vmapped run can split the directions
-# over the cores (as on several accelerators); the loop runs each direction on one device.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}").strip()
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+def _configure_process(argv):
+    """Run as a script, before JAX starts: the alignment workloads see every CPU core as a JAX
+    host device (so the vmapped run splits its directions over them), and the token workload's
+    ``--threads`` cores are the process's CPU affinity, which XLA sizes its thread pool by."""
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={os.cpu_count() or 1}").strip()
+    threads = _threads_arg(argv)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if threads and cpus and threads < len(cpus):
+        os.sched_setaffinity(0, cpus[:threads])
+
+
+def _threads_arg(argv, default=2):
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return default
+
+
+if __name__ == "__main__":
+    _configure_process(sys.argv[1:])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import benchdoc  # noqa: E402
 
@@ -46,7 +98,427 @@ from powerlens.steering.optimize import (last_layer_terms, optimize_steering, pr
 from powerlens.steering.rank1 import host_matrices  # noqa: E402
 
 
-def problem(name, K, rng):
+# =========================================================================== the token objective
+
+TOKEN_PROMPTS = ("The capital of France is", "The city where the Eiffel Tower stands is")
+"""The steered prompts (SmolLM2); the controls are powerlens's default ones."""
+
+TOKEN_CONFIG = dict(target_prob=0.5, max_kl=0.5, rank=1, lr=3e-3, mu=10.0, dual_every=10, tol=1e-4, lr_floor=0.05)
+"""The optimiser's settings: ``optimize_steering(objective="token")``'s defaults."""
+
+AGREE_RTOL = 1e-4
+"""The agreement the first steps must reach (relative, float32)."""
+
+
+def tiny_llama(seed: int = 0):
+    """The ``--tiny`` model: a random two-layer Llama-like decoder (d 32, 4 query heads over 2
+    key/value heads of 8, RoPE, RMSNorm, SiLU-gated MLP of 64, final RMSNorm, tied head of 64
+    tokens), float32."""
+    from powerlens.dynamics.params import LayerConfig, make_layers
+    from powerlens.models.base import Model, ModelInfo
+    rng = np.random.default_rng(seed)
+    U, d, H, G, e, f, vocab = 2, 32, 4, 2, 8, 64, 64
+    cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-5,
+                      norm_placement="pre", rope_theta=10000.0, ffn_activation="silu_glu", family="llama")
+    r = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+    one = lambda *s: (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
+    layers = make_layers(W_v=r(U, G, e, d), W_o=r(U, d, H * e), W_q=r(U, H, e, d), W_k=r(U, G, e, d),
+                         W_in=r(U, f, d), W_gate=r(U, f, d), W_out=r(U, d, f), norm_scale=one(U, d),
+                         ffn_norm_scale=one(U, d), config=cfg)
+    layers = layers.replace(**{k: getattr(layers, k).astype(jnp.float32) for k in layers.__dataclass_fields__
+                               if k != "config" and getattr(layers, k) is not None
+                               and jnp.issubdtype(getattr(layers, k).dtype, jnp.floating)})
+    return Model(layers=layers, embeddings={"word": jnp.asarray(3.0 * r(vocab, d))},
+                 final_norm_scale=jnp.asarray(one(d)),
+                 info=ModelInfo(family="llama", source="", decoder=True, pad_token_id=0))
+
+
+def token_problem(model, prompts, controls):
+    """The prepared problem, exactly as :func:`~powerlens.steering.token.optimize_token` builds it
+    (last layer, ``lowrank``): the prompts and controls embedded and padded to one batch of M =
+    B + C rows, the tokens X entering the last layer (M, n, d), valid, each row's last token, the
+    controls' unedited log p (C, V); also x_all (the embeddings, for torch's own preparation)."""
+    from powerlens.models.embed import embed_ids, padded_ids, prompt_ids
+    from powerlens.steering.token import (_pad_to, control_batch, edited_final_states, entering, last_positions,
+                                          next_token_logp)
+    layers = model.layers
+    pid, pvalid = padded_ids(model, prompt_ids(model, list(prompts)))
+    x0, vb = (np.asarray(a) for a in embed_ids(model, pid, pvalid))
+    cid, cvalid = control_batch(model, controls)
+    xc, cv = (np.asarray(a) for a in embed_ids(model, cid, cvalid))
+    n = max(x0.shape[1], xc.shape[1])
+    (xp, vp), (xc, cv) = _pad_to(x0, vb.astype(bool), n), _pad_to(xc, cv.astype(bool), n)
+    x_all, v_all = np.concatenate([xp, xc]), np.concatenate([vp, cv])
+    l = layers.n_unique - 1
+    t0 = layers.schedule.steps_of(l)[0]
+    assert t0 == len(layers.schedule) - 1, "the benchmark steers the last layer, applied once, last"
+    X = entering(layers, jnp.asarray(x_all), jnp.asarray(v_all), t0)
+    last = last_positions(jnp.asarray(v_all))
+    B = x0.shape[0]
+    h = edited_final_states(model, X, jnp.asarray(v_all), last, (layers, None), before_add=(l,), after_add=())
+    base_logp = next_token_logp(model, h)[B:]
+    return {"x0": x0, "valid0": vb, "x_all": x_all, "valid": v_all, "X": X, "last": last, "base_logp": base_logp,
+            "n_prompts": B, "layer": l}
+
+
+def start_point(model, prob, ids, controls, steps: int):
+    """powerlens's own start and first ``steps`` steps: ``pl.optimize_steering(objective="token")``
+    (its closed-form ray start, the scale n0 and the choice of w) and the initial factors P, Q
+    "(K, d, r)", "(K, H e, r)" that its solver builds from them (``initial_params``)."""
+    from powerlens.steering.optimize import initial_params
+    from powerlens.steering.rank1 import inverse_map
+    c = TOKEN_CONFIG
+    t = time.perf_counter()
+    res = optimize_steering(model, prob["x0"], ids, objective="token", valid=prob["valid0"], controls=controls,
+                            target_prob=c["target_prob"], max_kl=c["max_kl"], rank=c["rank"], steps=steps,
+                            lr=c["lr"], mu=c["mu"], dual_every=c["dual_every"], tol=c["tol"])
+    api_s = time.perf_counter() - t
+    layers, l = model.layers, prob["layer"]
+    dtype = layers.W_v.dtype
+    _, Vc, _ = host_matrices(layers, l)
+    R = jnp.asarray(inverse_map(Vc, l) if res.w == "inverse" else Vc, dtype)
+    U = jnp.asarray(res.directions, dtype)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(ids))
+    n0 = jnp.asarray(res.closed_norm, dtype)
+
+    def init(u, n, key):
+        w_cf = R @ u
+        w_cf = w_cf / jnp.linalg.norm(w_cf) if res.w == "value" else w_cf
+        return initial_params("lowrank", n, w_cf / jnp.linalg.norm(w_cf), u, c["rank"], key, dtype)
+    params0 = jax.vmap(init)(U, n0, keys)
+    return res, params0, n0, api_s
+
+
+_LOOP_STATIC = ("layer", "n_prompts", "max_kl", "steps", "lr", "mu", "dual_every", "tol", "lr_floor")
+
+
+def powerlens_token_loop(model, X, valid, last, base_logp, target_ids, log_targets, params0, n0, *, layer: int,
+                         n_prompts: int, max_kl: float, steps: int, lr: float, mu: float, dual_every: int,
+                         tol: float, lr_floor: float):
+    """powerlens's Adam loop of the token objective for K targets from ``params0`` (P (K, d, r),
+    Q (K, H e, r)) and n0 (K,): :func:`~powerlens.steering.lagrangian.constrained_adam` over the
+    constraints of :func:`~powerlens.steering.token.token_constraints`, the forward pass
+    ``edited_final_states`` + ``next_token_logp`` (the loop inside ``solve_token_one``), vmapped
+    over the targets. Returns constrained_adam's dict with a leading K axis."""
+    from powerlens.steering.lagrangian import constrained_adam
+    from powerlens.steering.token import _edit, _size, edited_final_states, next_token_logp, token_constraints
+
+    def one(t, lt, p0, n):
+        def constraints(p):
+            h = edited_final_states(model, X, valid, last, _edit(model, p, None, n, param="lowrank", layer=layer),
+                                    before_add=(layer,), after_add=())
+            g, lp_t, _ = token_constraints(next_token_logp(model, h), t, lt, base_logp, max_kl, n_prompts)
+            return g, jnp.min(lp_t)
+        return constrained_adam(lambda p: _size(p, n, "lowrank"), constraints, p0, steps=steps, lr=lr, mu=mu,
+                                dual_every=dual_every, tol=tol, lr_floor=lr_floor)
+    return jax.vmap(one)(target_ids, log_targets, params0, n0)
+
+
+powerlens_token_loop_jit = jax.jit(powerlens_token_loop, static_argnames=_LOOP_STATIC)
+
+
+# --------------------------------------------------------------------------- the torch side
+
+def torch_token_problem(model, prob):
+    """The torch user's preparation, from powerlens's converted float32 weights: the layers as
+    tensors (the last one's q/k/v fused into one (H e + 2 G e, d) matrix), the tokens entering
+    the last layer (the earlier layers once, ``torch.no_grad``, SDPA), the mask, RoPE tables,
+    the head and final norm, and the controls' unedited log p."""
+    import torch
+    from vs_torch import rope_tables, torch_layers, torch_mask, torch_run
+    L = model.layers
+    cfg = L.config
+    params = torch_layers(L)
+    l = prob["layer"]
+    p = dict(params[l])
+    d = cfg.d_model
+    p["W_qkv"] = torch.cat([p["W_q"].reshape(-1, d), p["W_k"].reshape(-1, d), p["W_v"].reshape(-1, d)])
+    tx = torch.from_numpy(np.array(prob["x_all"], np.float32))
+    tv = torch.from_numpy(np.array(prob["valid"], bool))
+    with torch.no_grad():
+        X = torch_run(cfg, params, list(L.schedule)[:-1], tx, tv, "full")[-1] if len(L.schedule) > 1 else tx
+    head = torch.from_numpy(np.array(model.lm_head if model.lm_head is not None else model.embeddings["word"],
+                                     np.float32))
+    fscale = torch.from_numpy(np.array(model.final_norm_scale, np.float32))
+    out = {"cfg": cfg, "p": p, "X": X, "mask": torch_mask(cfg, tv),
+           "rope": rope_tables(X.shape[1], cfg.d_head, cfg.rope_theta) if cfg.rope_theta else None,
+           "last": torch.from_numpy(np.array(prob["last"], np.int64)), "head": head, "fscale": fscale,
+           "n_prompts": prob["n_prompts"]}
+    with torch.no_grad():
+        out["base_logp"] = torch_edited_logp(out, torch.zeros(1, d, p["W_o"].shape[1]))[0, prob["n_prompts"]:]
+    return out
+
+
+def torch_edited_layer(tp, dO):
+    """The last layer (pre-norm Llama block) on the entering tokens X (M, n, d) with W_o + dO_k
+    for the K edits dO (K, d, H e) at once: (K, M, n, d). Fused q/k/v, RoPE, GQA in
+    ``scaled_dot_product_attention``, one batched matmul for the K output projections, the
+    SiLU-gated MLP on the (K, M, n, d) block."""
+    import torch
+    import torch.nn.functional as TF
+    from vs_torch import rotate_half, torch_ffn, torch_norm
+    cfg, p, X = tp["cfg"], tp["p"], tp["X"]
+    M, n, d = X.shape
+    H, G, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    qkv = torch_norm(cfg, X, p["norm_scale"], None) @ p["W_qkv"].T
+    q, k, v = qkv.split([H * e, G * e, G * e], dim=-1)
+    q = q.view(M, n, H, e).transpose(1, 2)
+    k = k.view(M, n, G, e).transpose(1, 2)
+    v = v.view(M, n, G, e).transpose(1, 2)
+    if tp["rope"] is not None:
+        cos, sin = tp["rope"]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+    o = TF.scaled_dot_product_attention(q, k, v, attn_mask=tp["mask"], scale=float(p["scale"]), enable_gqa=G != H)
+    o = o.transpose(1, 2).reshape(1, M * n, H * e)
+    W = (p["W_o"] + dO).transpose(1, 2)                                   # (K, H e, d)
+    Y = X + torch.matmul(o, W).view(-1, M, n, d)                         # (K, M, n, d)
+    return Y + torch_ffn(cfg, p, torch_norm(cfg, Y, p["ffn_norm_scale"], None))
+
+
+def torch_head_logp(tp, Y):
+    """log p (K, M, V) at each row's last token of the layer's output Y (K, M, n, d): final
+    RMSNorm, the LM head, log-softmax."""
+    import torch
+    from vs_torch import torch_norm
+    M = Y.shape[1]
+    h = Y[:, torch.arange(M), tp["last"]]                                # (K, M, d)
+    return torch.log_softmax(torch_norm(tp["cfg"], h, tp["fscale"], None) @ tp["head"].T, dim=-1)
+
+
+def torch_edited_logp(tp, dO):
+    return torch_head_logp(tp, torch_edited_layer(tp, dO))
+
+
+def torch_token_solve(tp, P0, Q0, n0, target_ids, log_targets, *, steps, lr, mu, dual_every, tol, max_kl, lr_floor):
+    """The same optimisation in torch (module docstring), the K targets batched in every tensor:
+    P (K, d, r), Q (K, H e, r), dO = n0 P Q^T (K, d, H e); ``torch.optim.Adam`` (as optax.adam)
+    with a ``LambdaLR`` equal to ``optax.cosine_decay_schedule(lr, steps, alpha=lr_floor)``; the
+    K losses summed, so one backward gives each its own gradient; one multiplier per constraint
+    (B + 1 per target), updated every ``dual_every`` steps; the best feasible iterate kept."""
+    import torch
+    K, B = P0.shape[0], tp["n_prompts"]
+    base = tp["base_logp"]
+    pbase = base.exp()
+    rows = target_ids.view(K, 1, 1).expand(K, B, 1)
+
+    def constraints(P, Q):
+        logp = torch_edited_logp(tp, n0.view(K, 1, 1) * (P @ Q.transpose(1, 2)))
+        lp_t = logp[:, :B].gather(-1, rows)[..., 0]                      # (K, B)
+        kl = (pbase * (base - logp[:, B:])).sum(-1).mean(-1)             # (K,)
+        return torch.cat([log_targets[:, None] - lp_t, (kl - max_kl)[:, None]], 1), lp_t.amin(1)
+
+    def size(P, Q):
+        return ((P.transpose(1, 2) @ P) * (Q.transpose(1, 2) @ Q)).sum((1, 2))
+
+    def objective(P, Q, lam):
+        N = size(P, Q)
+        g, aux = constraints(P, Q)
+        pen = (torch.clamp(lam + mu * g, min=0.0).square() - lam * lam).sum(1) / (2.0 * mu)
+        return N + pen, g, aux, N
+
+    P = P0.clone().requires_grad_(True)
+    Q = Q0.clone().requires_grad_(True)
+    opt = torch.optim.Adam([P, Q], lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    decay = lambda i: (1 - lr_floor) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)) + lr_floor
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+    lam = torch.zeros(K, B + 1)
+    best = [P0.clone(), Q0.clone(), torch.full((K,), float("inf")), torch.zeros(K)]
+    hist_aux, hist_N = [], []
+
+    def keep(g, aux, N):
+        with torch.no_grad():
+            better = (g <= tol).all(1) & (N < best[2])
+            best[0] = torch.where(better[:, None, None], P, best[0])
+            best[1] = torch.where(better[:, None, None], Q, best[1])
+            best[2], best[3] = torch.where(better, N, best[2]), torch.where(better, aux, best[3])
+
+    for i in range(steps):
+        L, g, aux, N = objective(P, Q, lam)
+        hist_aux.append(aux.detach())
+        hist_N.append(N.detach())
+        opt.zero_grad(set_to_none=True)
+        L.sum().backward()
+        keep(g, aux, N)
+        opt.step()
+        sched.step()
+        if (i + 1) % dual_every == 0:
+            lam = torch.clamp(lam + mu * g.detach(), min=0.0)
+    with torch.no_grad():                                               # the last iterate is checked too
+        _, g, aux, N = objective(P, Q, lam)
+        keep(g, aux, N)
+    return {"params": {"P": best[0], "Q": best[1]}, "size": best[2], "aux": best[3], "multiplier": lam,
+            "history_aux": torch.stack(hist_aux, 1), "history_size": torch.stack(hist_N, 1)}
+
+
+def rel_diff(a, b) -> float:
+    """max |a - b| / max |b| (arrays of any shape; 0 for two empty arrays)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if b.size else 0.0
+
+
+def step_flops(cfg, K: int, M: int, n: int, vocab: int, f: int) -> float:
+    """The matmul FLOPs of one forward pass that depend on the edits: the K output projections
+    2 K M n (H e) d, the K MLPs 3 x 2 K M n d f, the head 2 K M d V (the backward pass is about
+    twice as much again)."""
+    d, He = cfg.d_model, cfg.n_heads * cfg.d_head
+    return float(2 * K * M * n * He * d + 3 * 2 * K * M * n * d * f + 2 * K * M * d * vocab)
+
+
+def best_time(fn, repeats: int) -> float:
+    best = np.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def token_profile(model, prob, tp, dO_jax, dO_torch, repeats: int) -> dict:
+    """Seconds of one step's parts on each side, for the same K edits: the forward pass to log p
+    (the edited layer, then the final norm, head and log-softmax) and the forward + backward of
+    a scalar of it, and the head part alone on the layer's outputs."""
+    import torch
+    from powerlens.steering.token import edited_final_states, next_token_logp
+    l, X, valid, last = prob["layer"], prob["X"], jnp.asarray(prob["valid"]), prob["last"]
+    layers = model.layers
+
+    def jlogp(dO):
+        def one(d):
+            e = (layers.replace(W_o=layers.W_o.at[l].add(d)), None)
+            return next_token_logp(model, edited_final_states(model, X, valid, last, e, before_add=(l,), after_add=()))
+        return jax.vmap(one)(dO)
+    jf = jax.jit(jlogp)
+    jg = jax.jit(jax.grad(lambda dO: jnp.sum(jlogp(dO)[..., 0])))
+    hs = jax.vmap(lambda d: edited_final_states(model, X, valid, last, (layers.replace(
+        W_o=layers.W_o.at[l].add(d)), None), before_add=(l,), after_add=()))(dO_jax)
+    jh = jax.jit(jax.vmap(lambda h: next_token_logp(model, h)))
+    out = {}
+    for name, fn in (("forward", lambda: jf(dO_jax)), ("forward+backward", lambda: jg(dO_jax)),
+                     ("norm+head+log-softmax", lambda: jh(hs))):
+        jax.block_until_ready(fn())
+        out[("powerlens", name)] = best_time(lambda: jax.block_until_ready(fn()), repeats)
+    Y = torch_edited_layer(tp, dO_torch).detach()
+    dOg = dO_torch.clone().requires_grad_(True)
+
+    def tgrad():
+        dOg.grad = None
+        torch_edited_logp(tp, dOg)[..., 0].sum().backward()
+    with torch.no_grad():
+        tf, th = (lambda: torch_edited_logp(tp, dO_torch)), (lambda: torch_head_logp(tp, Y))
+        for name, fn in (("forward", tf), ("norm+head+log-softmax", th)):
+            fn()
+            out[("torch", name)] = best_time(fn, repeats)
+    tgrad()
+    out[("torch", "forward+backward")] = best_time(tgrad, repeats)
+    return out
+
+
+def run_token(args) -> dict:
+    """The token-objective benchmark (module docstring): agreement, then timing and a profile."""
+    import torch
+    torch.set_num_threads(args.threads)
+    c = TOKEN_CONFIG
+    if args.tiny:
+        model = pl_tiny = tiny_llama()
+        vocab = model.embeddings["word"].shape[0]
+        rng = np.random.default_rng(1)
+        prompts = [list(rng.integers(1, vocab, 5)), list(rng.integers(1, vocab, 4))]
+        controls = [list(rng.integers(1, vocab, 6)), list(rng.integers(1, vocab, 3))]
+        ids = rng.choice(np.arange(1, vocab), args.targets, replace=False)
+        label = f"random 2-layer Llama-like decoder (d={model.layers.config.d_model})"
+        del pl_tiny
+    else:
+        import powerlens as pl
+        model = pl.load("smollm2")
+        vocab = model.embeddings["word"].shape[0]
+        prompts, controls = list(TOKEN_PROMPTS), None
+        ids = np.random.default_rng(0).choice(np.arange(1000, 20000), args.targets, replace=False)
+        label = "SmolLM2-135M last layer"
+    cfg = model.layers.config
+    prob = token_problem(model, prompts, controls)
+    K, (M, n) = len(ids), prob["valid"].shape
+    f = model.layers.W_in.shape[1]
+    print(f"[token] {label}: d={cfg.d_model}, {cfg.n_heads} query / {cfg.n_kv_heads} key-value heads, vocab "
+          f"{vocab}; {prob['n_prompts']} prompts + {M - prob['n_prompts']} controls padded to {n} tokens; {K} "
+          f"targets, rank {c['rank']}, target_prob {c['target_prob']}, max_kl {c['max_kl']}; {args.steps} Adam steps; "
+          f"{args.threads} threads each (torch {torch.__version__}, jax {jax.__version__}, {jax.default_backend()})")
+    tid = jnp.asarray(ids, jnp.int32)
+    log_t = jnp.full((K,), np.log(c["target_prob"]), model.layers.W_v.dtype)
+    kw = dict(layer=prob["layer"], n_prompts=prob["n_prompts"], max_kl=c["max_kl"], lr=c["lr"], mu=c["mu"],
+              dual_every=c["dual_every"], tol=c["tol"], lr_floor=c["lr_floor"])
+    largs = (model, prob["X"], jnp.asarray(prob["valid"]), prob["last"], prob["base_logp"], tid, log_t)
+
+    # ---- the start and the agreement over the first steps
+    S0 = args.check_steps
+    res, params0, n0, api_s = start_point(model, prob, ids, controls, S0)
+    print(f"  start: pl.optimize_steering(objective='token', steps={S0}) {api_s:.1f} s (compilation included); "
+          f"closed-form ray feasible for {int(res.closed_feasible.sum())}/{K} targets, w={res.w!r}")
+    ours0 = jax.tree_util.tree_map(np.asarray, powerlens_token_loop_jit(*largs, params0, n0, steps=S0, **kw))
+    api_rel = max(rel_diff(np.sqrt(ours0["history_size"]) * np.asarray(n0)[:, None], res.history_norm),
+                  rel_diff(np.exp(ours0["history_aux"]), res.history_min_target_prob))
+    tp = torch_token_problem(model, prob)
+    T = lambda a, dt=np.float32: torch.from_numpy(np.array(a, dt))
+    tP0, tQ0, tn0 = T(params0["P"]), T(params0["Q"]), T(n0)
+    tids, tlog = T(ids, np.int64), T(log_t)
+    tkw = {k: kw[k] for k in ("max_kl", "lr", "mu", "dual_every", "tol", "lr_floor")}
+    theirs0 = torch_token_solve(tp, tP0, tQ0, tn0, tids, tlog, steps=S0, **tkw)
+    theirs0 = jax.tree_util.tree_map(lambda a: a.detach().numpy(), theirs0)
+    entering_rel = rel_diff(tp["X"].numpy(), prob["X"])
+    base_rel = rel_diff(tp["base_logp"].numpy(), prob["base_logp"])
+    agree = {"entering states": entering_rel, "controls' base log p": base_rel,
+             "||dO||^2/n0^2 per step": rel_diff(ours0["history_size"], theirs0["history_size"]),
+             "min log p(target) per step": rel_diff(ours0["history_aux"], theirs0["history_aux"]),
+             "best P": rel_diff(ours0["params"]["P"], theirs0["params"]["P"]),
+             "best Q": rel_diff(ours0["params"]["Q"], theirs0["params"]["Q"])}
+    worst = max(agree.values())
+    print(f"  agreement over the first {S0} steps from the same start (max relative difference, torch vs powerlens): "
+          + ", ".join(f"{k} {v:.1e}" for k, v in agree.items()) + f"; powerlens's loop vs pl.optimize_steering "
+          f"{api_rel:.1e} -> {'agree' if max(worst, api_rel) < AGREE_RTOL else 'DISAGREE'} (tolerance {AGREE_RTOL:g})")
+    if not max(worst, api_rel) < AGREE_RTOL:
+        raise AssertionError(f"torch and powerlens disagree over the first {S0} steps: {agree}, api {api_rel:.2e}")
+
+    # ---- timing: compilation apart, then one (or --repeats) run of --steps steps on each side
+    S = args.steps
+    t = time.perf_counter()
+    compiled = powerlens_token_loop_jit.lower(*largs, params0, n0, steps=S, **kw).compile()
+    compile_s = time.perf_counter() - t
+    run_pl = lambda: jax.block_until_ready(compiled(*largs, params0, n0))
+    run_t = lambda: torch_token_solve(tp, tP0, tQ0, tn0, tids, tlog, steps=S, **tkw)
+    torch_token_solve(tp, tP0, tQ0, tn0, tids, tlog, steps=1, **tkw)          # torch's warm-up (allocations)
+    t_pl, t_t = np.inf, np.inf
+    for _ in range(args.repeats):                                           # in turns
+        t = time.perf_counter()
+        ours = run_pl()
+        t_pl = min(t_pl, time.perf_counter() - t)
+        t = time.perf_counter()
+        theirs = run_t()
+        t_t = min(t_t, time.perf_counter() - t)
+    feas = lambda r: int(np.sum(np.isfinite(np.asarray(r["size"]))))
+    flops = 3 * step_flops(cfg, K, M, n, vocab, f)
+    ratio = t_t / t_pl
+    print(f"  {S} Adam steps x {K} targets: powerlens {t_pl:.2f} s ({1e3 * t_pl / S:.1f} ms/step, compilation "
+          f"{compile_s:.1f} s apart) | torch {t_t:.2f} s ({1e3 * t_t / S:.1f} ms/step) | ratio torch/powerlens "
+          f"{ratio:.2f}x (target >= 3x)")
+    print(f"  ~{flops / 1e9:.1f} GFLOP per step (forward + backward, ~3x the forward's edit-dependent matmuls): "
+          f"powerlens {flops / (t_pl / S) / 1e9:.1f} GFLOP/s, torch {flops / (t_t / S) / 1e9:.1f} GFLOP/s; feasible "
+          f"after {S} steps: powerlens {feas(ours)}/{K}, torch {feas({'size': theirs['size'].numpy()})}/{K}")
+    prof = {}
+    if args.profile:
+        dO = jnp.asarray(n0)[:, None, None] * jnp.einsum("kdr,ker->kde", params0["P"], params0["Q"])
+        prof = token_profile(model, prob, tp, dO, torch.from_numpy(np.array(dO)), max(1, args.repeats))
+        for side in ("powerlens", "torch"):
+            print(f"  profile, {side}: " + ", ".join(f"{name} {1e3 * prof[(side, name)]:.1f} ms"
+                                                    for name in ("forward", "forward+backward",
+                                                                 "norm+head+log-softmax")))
+    return {"problem": f"{label}, {K} targets", "steps": S, "targets": K, "powerlens_s": t_pl, "torch_s": t_t,
+            "compile_s": compile_s, "ratio": ratio, "agree": agree, "agree_max": worst, "api_rel": api_rel,
+            "profile": prof}
+
+
+# =========================================================================== the alignment objective
+
+def alignment_problem(name, K, rng):
     if name == "synthetic":
         d = 16
         layers = S.synthetic_system([2.0, 1.0, -0.5], kind="nonnormal", heads=4, d=d, seed=1)
@@ -63,9 +535,9 @@ def problem(name, K, rng):
     return model.layers, np.asarray(x0), np.asarray(valid), D, f"all-MiniLM-L6-v2 last layer, d=384, {n_tok} tokens"
 
 
-def run(name, args):
+def run_alignment(name, args):
     rng = np.random.default_rng(0)
-    layers, x0, valid, D, label = problem(name, args.directions, rng)
+    layers, x0, valid, D, label = alignment_problem(name, args.targets, rng)
     X, vb, tail, l, kb = prepare_problem(layers, x0, valid)
     _, V, _ = host_matrices(layers, l)
     dtype = layers.W_v.dtype
@@ -114,28 +586,70 @@ def run(name, args):
             "solve_loop": t_loop, "api_vmapped": t_api_vec, "api_loop": t_api_loop}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--problem", default="both", choices=["minilm", "synthetic", "both"])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--directions", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=10)
-    benchdoc.add_doc_option(ap, "steering")
-    args = ap.parse_args(argv)
-    with benchdoc.Capture() as printed:
-        results = [run(name, args) for name in (["minilm", "synthetic"] if args.problem == "both"
-                                                 else [args.problem])]
+def token_table(r) -> list:
+    return benchdoc.markdown_table(
+        ("problem", "Adam steps", "powerlens per step", "torch per step", "torch / powerlens", "powerlens compilation",
+         f"agreement, first steps"),
+        [[r["problem"], r["steps"], f"{1e3 * r['powerlens_s'] / r['steps']:.1f} ms",
+          f"{1e3 * r['torch_s'] / r['steps']:.1f} ms", f"{r['ratio']:.2f}×", f"{r['compile_s']:.1f} s",
+          f"{r['agree_max']:.0e} (relative)"]])
+
+
+def alignment_table(results) -> list:
     rows = [[r["problem"], f"{r['solve_vmapped']:.4f} s ({r['devices']} devices), {r['solve_one_device']:.4f} s (1)",
              f"{r['solve_loop']:.4f} s", f"{r['solve_loop'] / r['solve_vmapped']:.1f}×",
              f"{r['api_vmapped']:.3f} s", f"{r['api_loop']:.3f} s", f"{r['api_loop'] / r['api_vmapped']:.1f}×"]
             for r in results]
-    table = benchdoc.markdown_table(("problem", "solve: vmapped", "solve: one call per direction", "ratio",
-                                     "API: one call", "API: one call per direction", "ratio"), rows)
-    benchdoc.write_if_asked(args, "steering", argv, [table], printed.text, packages=("optax",),
-                            summary=f"The optax steering solve ({args.steps} Adam steps, rank 1, worst-token "
-                                    f"alignment 0.9) for {args.directions} directions, vmapped against one call "
-                                    "per direction; best of the repeats, compilation excluded.")
-    return results
+    return benchdoc.markdown_table(("problem", "solve: vmapped", "solve: one call per direction", "ratio",
+                                    "API: one call", "API: one call per direction", "ratio"), rows)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problem", default="token", choices=["token", "minilm", "synthetic", "alignment", "all"],
+                    help="token (default): the token objective against torch; minilm, synthetic or alignment "
+                         "(both): the alignment objective vmapped against a loop; all")
+    ap.add_argument("--steps", type=int, default=None, help="Adam steps (default 200; --tiny 3)")
+    ap.add_argument("--targets", "--directions", type=int, default=None, dest="targets",
+                    help="targets (token ids, or directions) (default 64; --tiny 2)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed runs, best kept (default 1 for token, 10 for the alignment problems)")
+    ap.add_argument("--check-steps", type=int, default=3, help="steps both sides run for the agreement check")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of each framework (default 2)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the per-part profile")
+    ap.add_argument("--tiny", action="store_true", help="the token objective on a tiny random decoder, in seconds")
+    benchdoc.add_doc_option(ap, "steering")
+    args = ap.parse_args(argv)
+    if args.tiny and args.problem != "token":
+        raise SystemExit("steering.py: error: --tiny runs the token problem only")
+    for name in ("steps", "targets", "repeats", "check_steps", "threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise SystemExit(f"steering.py: error: --{name.replace('_', '-')} must be >= 1, got {v}")
+    args.steps = args.steps or (3 if args.tiny else 200)
+    args.targets = args.targets or (2 if args.tiny else 64)
+    names = {"token": ["token"], "minilm": ["minilm"], "synthetic": ["synthetic"],
+             "alignment": ["minilm", "synthetic"], "all": ["token", "minilm", "synthetic"]}[args.problem]
+    tables, token = [], None
+    with benchdoc.Capture() as printed:
+        if "token" in names:
+            token = run_token(argparse.Namespace(**{**vars(args), "repeats": args.repeats or 1}))
+            tables.append(token_table(token))
+        aligned = [run_alignment(name, argparse.Namespace(**{**vars(args), "repeats": args.repeats or 10}))
+                   for name in names if name != "token"]
+        if aligned:
+            tables.append(alignment_table(aligned))
+    summary = ("Gradient steering. The token objective (rank-1 edits of the last layer's W_o, target "
+               "probability 0.5, control KL <= 0.5 nats) for all targets at once: powerlens's compiled, "
+               "vmapped Adam loop against the same maths in batched eager torch (`torch.optim.Adam`), from the "
+               f"same start, {args.threads} CPU threads each; both sides first agree over the first "
+               f"{args.check_steps} steps.") if token else ""
+    if aligned:
+        summary += (" The alignment objective's optax solve for many directions, vmapped against one call "
+                    "per direction; best of the repeats, compilation excluded.")
+    benchdoc.write_if_asked(args, "steering", argv, tables, printed.text, packages=("optax", "torch"),
+                            summary=summary.strip())
+    return {"token": token, "alignment": aligned}
 
 
 if __name__ == "__main__":

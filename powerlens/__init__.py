@@ -81,7 +81,8 @@ _EXPORTS = {
     **{n: ("powerlens.steering", n) for n in (
         "rank1", "Rank1Result", "minimal_alpha", "MinimalAlpha", "principal_alpha", "alignment_alpha",
         "optimize_steering", "SteeringResult", "output_effects", "steered_model", "forward_final",
-        "parse_direction", "Direction", "checkpoint_delta", "alignment_alpha", "entering_states")},
+        "parse_direction", "Direction", "checkpoint_delta", "entering_states",
+        "TokenSteeringResult", "CONTROL_PROMPTS", "edit_effects")},
 }
 
 __all__ = sorted(_EXPORTS)

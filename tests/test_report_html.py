@@ -164,3 +164,26 @@ def test_command_line_exit_codes_and_screenshot(reports, tmp_path, capsys):
     # the page is drawn: mostly white background with dark text (not a blank frame)
     assert px.mean() > 200 and px.min() < 80
     assert render_report.main([str(tmp_path / "absent.html")]) == 2
+
+
+@needs_browser
+def test_sweep_report_from_the_same_renderer_loads_its_figures(reports):
+    """A sweep's report.html (the same renderer as reproduce's): its figures load at their true
+    pixel size, and a figure whose file is missing is named on the page, not an error."""
+    import types
+    import pandas as pd
+    from powerlens.sweeps.report import render_html
+    paths, sizes = reports
+    out = os.path.dirname(paths["good"])
+    spec = types.SimpleNamespace(name="tiny", grid={"beta": [1.0, 2.0]}, model=None, replicates=2)
+    df = pd.DataFrame({"beta": [1.0, 1.0, 2.0, 2.0], "final_gamma": [0.5, 0.7, float("nan"), 0.9]})
+    page = os.path.join(out, "sweep.html")
+    with open(page, "w", encoding="utf-8") as fh:
+        fh.write(render_html(out, df, spec, {"spec": {"name": "tiny"}},
+                             ["figures/line.png", "figures/wide.png", "figures/nowhere.png"]))
+    res = render_report.check_images(page, timeout=90)
+    assert res["title"] == "powerlens sweep: tiny"
+    assert res["images"] == 2 and res["loaded"] == 2
+    got = {d["alt"]: (d["width"], d["height"]) for d in res["details"]}
+    assert got == {k: sizes[k] for k in ("line.png", "wide.png")}
+    assert res["missing"] == 1 and "figures/nowhere.png" in res["missing_text"][0]

@@ -168,7 +168,6 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     from jax._src import xla_bridge
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     assert workers.single_threaded_main(os.environ)
-    import os
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA
     assert os.environ[XLA_THREADS] == "1"
     monkeypatch.setattr(workers, "cores", lambda: 8)

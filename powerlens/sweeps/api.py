@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Dict, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .. import io
@@ -251,10 +252,10 @@ def sweep_system(out_dir_or_spec, row) -> SweepSystem:
             layers, facts = jax.device_get(build(np.int32(row["seed"]), values, st.synthetic))
             x0 = facts.pop("x0")
             return SweepSystem(layers=layers, x0=x0, valid=np.ones(x0.shape[0], bool),
-                               subspaces=jax.device_get(synthetic_subspaces(facts)), facts=facts, **how)
+                               subspaces=synthetic_subspaces(facts), facts=facts, **how)
         sy = Engine(spec, progress=False).systems_of([system])
     one = jax.tree_util.tree_map(lambda a: a[0], sy)
     facts = {"lam": np.asarray(one.lam), "dim": np.asarray(one.dim), "direction": one.direction,
              "top2": one.top2, "v1": np.asarray(one.v1), "x0_exact": one.x0_exact}
     return SweepSystem(layers=one.layers, x0=np.asarray(one.x0), valid=np.asarray(one.valid, bool),
-                       subspaces=one.subspaces, facts=facts, **how)
+                       subspaces=jax.tree_util.tree_map(jnp.asarray, one.subspaces), facts=facts, **how)
