@@ -249,3 +249,30 @@ def test_gpu_script_fused_attention_entries(monkeypatch):
     gpu.fused_attention_entries("minilm", model, 1, 6, x0, valid, lambda **e: entries.append(e), 1)
     assert entries[-1]["what"] == "states bfloat16 cudnn"
     assert entries[-1]["error"] == "RuntimeError: no cuDNN kernel for these shapes"
+
+
+@pytest.mark.slow
+def test_steering_token_tiny_agrees_with_torch(tmp_path, capsys):
+    """benchmarks/steering.py --tiny: the token objective's Adam loop in powerlens and in batched
+    torch, from the same start, agree over the first 3 steps to float32 precision (the script
+    raises otherwise), while the steps do change the edit; powerlens's composed loop is the
+    public optimize_steering's; the results file holds the table and the printed ratio."""
+    import benchdoc
+    import steering
+    doc = tmp_path / "steering.md"
+    out = steering.main(["--tiny", "--no-profile", "--doc", str(doc)])
+    tok = out["token"]
+    assert tok["targets"] == 2 and tok["steps"] == 3
+    for name, v in tok["agree"].items():
+        assert v < 1e-4, (name, v)
+    for name, v in tok["later_steps"].items():          # on this tiny problem no coordinate's
+        assert v < 1e-4, (name, v)                       # gradient sits at rounding: steps 1-3 agree too
+    assert tok["moved"] > 1e-3                           # the 3 steps are not a fixed point
+    assert tok["api_rel"] < 1e-4
+    assert tok["powerlens_s"] > 0 and tok["torch_s"] > 0 and tok["ratio"] > 0
+    text = doc.read_text()
+    table = benchdoc.first_table(text)
+    assert table[0].startswith("| problem | Adam steps | powerlens per step | torch per step | torch / powerlens")
+    assert len(table) == 3 and " 3 | " in table[2]
+    printed = capsys.readouterr().out
+    assert "ratio torch/powerlens" in printed and "-> agree" in printed

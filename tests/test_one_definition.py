@@ -1,6 +1,7 @@
 """One definition of each thing: each shared piece is checked once, through the code that uses it."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -153,6 +154,21 @@ def test_solve_pivot_guard_flags_a_singular_system_without_inf_or_nan():
         assert np.isfinite(np.asarray(X)).all()
 
 
+def test_a_singular_head_split_is_marked_not_garbage():
+    """The caller of solve marks what it cannot build: value weights V of rank 3 < d = 4 have no
+    split W_o V = F, so W_o is NaN (a sweep row built from it reads finite False); a full-rank
+    V (H e = 6 > d) gives W_o V = F."""
+    from powerlens.dynamics.synthetic import head_split
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        F, V = rng.standard_normal((4, 4)), rng.standard_normal((6, 4))
+        np.testing.assert_allclose(np.asarray(head_split(jnp.asarray(F), jnp.asarray(V))) @ V, F, atol=1e-12)
+        low = np.concatenate([V[:, :3], V[:, :1] - V[:, 1:2]], axis=1)
+        assert np.isnan(np.asarray(head_split(jnp.asarray(F), jnp.asarray(low)))).all()
+        square = low[:4]
+        assert np.isnan(np.asarray(head_split(jnp.asarray(F), jnp.asarray(square)))).all()
+
+
 @pytest.mark.parametrize("delta", [1e-6, 1e-9])
 def test_solve_near_singular_is_solved_not_flagged(delta):
     """A = [[1, 1], [1, 1 + delta]] is nonsingular with A^-1 = [[1 + delta, -1], [-1, 1]] / delta
@@ -258,11 +274,20 @@ def test_map_systems_shards_a_count_that_does_not_divide_four_devices():
 
 # --- sweep rows rebuilt
 
+@functools.lru_cache(maxsize=None)
+def _measured_run(rule, attention, keep_bias):
+    """pl.run with the alignment and consensus observers, jitted once per way of running."""
+    import powerlens as pl
+
+    def go(layers, x0, valid, subspaces):
+        return pl.run(layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+                      observers={"alignment": pl.alignment(subspaces), "consensus": pl.consensus()})
+    return jax.jit(go)
+
+
 def _rebuilt_measures(s):
     """(final_gamma, final_consensus) of a rebuilt row, run with pl.run as the sweep ran it."""
-    import powerlens as pl
-    out = pl.run(s.layers, s.x0, s.valid, rule=s.rule, attention=s.attention, keep_bias=s.keep_bias,
-                 observers={"alignment": pl.alignment(s.subspaces), "consensus": pl.consensus()})
+    out = _measured_run(s.rule, s.attention, s.keep_bias)(s.layers, s.x0, s.valid, s.subspaces)
     principal = s.subspaces.index("principal")
     return float(out["alignment"].gamma[-1, principal]), float(out["consensus"].consensus[-1])
 
@@ -287,14 +312,13 @@ def _check_rows(source, df, rows):
 
 
 def test_sweep_system_rebuilds_synthetic_rows(tmp_path):
-    """20 random rows of a synthetic sweep (normal and nonnormal F, a random spectrum with
-    complex pairs): the rebuilt system has the row's eigenvalues, and pl.run gives its
+    """20 random rows of a synthetic sweep (nonnormal F, a random spectrum with complex pairs,
+    tokens in a cone): the rebuilt system has the row's eigenvalues, and pl.run gives its
     final_gamma and final_consensus."""
     import powerlens as pl
-    spec = {"name": "rebuilt", "seed": 11,
-            "grid": {"kind": ["normal", "nonnormal"], "beta": [0.5, 1.0, 2.0, 4.0, 8.0, 16.0]},
+    spec = {"name": "rebuilt", "seed": 11, "grid": {"beta": np.geomspace(0.25, 16.0, 12).tolist()},
             "system": {"d": 4, "tokens": 5, "heads": 2, "replicates": 2, "pair": 0.7, "nonnormality": 0.3,
-                       "init": "cone"},
+                       "kind": "nonnormal", "init": "cone"},
             "run": {"steps": 12}}
     out = str(tmp_path / "syn")
     df = pl.sweep(spec, out=out, progress=False, report_files=False)
@@ -330,3 +354,32 @@ def test_sweep_system_rebuilds_model_rows(tmp_path):
     assert len(df) >= 20
     rows = np.random.default_rng(1).choice(len(df), 20, replace=False)
     _check_rows(spec, df, rows)
+
+
+def test_head_split_is_the_least_squares_split_and_exact_for_square_heads():
+    """The head-split rule (design.md §1): W_o = F V^+ for H e >= d. With H e = 6 > d = 4 and with
+    H e = d = 4, W_o V = F to float64 rounding, and W_o is the minimum-norm solution (its rows
+    equals F pinv(V))."""
+    from powerlens.dynamics.synthetic import head_split
+    rng = np.random.default_rng(3)
+    F = rng.standard_normal((4, 4))
+    with jax.enable_x64(True):
+        for rows in (6, 4):
+            V = rng.standard_normal((rows, 4))
+            W_o = np.asarray(head_split(jnp.asarray(F), jnp.asarray(V)))
+            np.testing.assert_allclose(W_o @ V, F, atol=1e-12)
+            np.testing.assert_allclose(W_o, F @ np.linalg.pinv(V), atol=1e-12)
+
+
+def test_one_haar_draw_and_one_group_rule_on_numpy_and_jnp():
+    """haar gives the same Q from NumPy (qr + sign fix) and jnp (Householder), and group_size
+    the same groups; random_subspace is that draw."""
+    from powerlens.analysis.measures import random_subspace
+    from powerlens.dynamics.linalg import GROUP_RTOL, group_size, haar
+    G = np.random.default_rng(4).standard_normal((5, 5))
+    with jax.enable_x64(True):
+        np.testing.assert_allclose(np.asarray(haar(jnp.asarray(G))), haar(G), atol=1e-12)
+    np.testing.assert_array_equal(random_subspace(np.random.default_rng(4), 5, 5), haar(G))
+    keys = np.array([2.0, 2.0 * (1 - GROUP_RTOL / 2), 1.5, 1.5, 1.5 * (1 - 2 * GROUP_RTOL), 0.0])
+    assert [int(group_size(keys, s)) for s in (0, 2, 4, 5, 6)] == [2, 2, 1, 1, 0]
+    assert [int(group_size(jnp.asarray(keys), s)) for s in (0, 2, 4, 5, 6)] == [2, 2, 1, 1, 0]

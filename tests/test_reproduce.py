@@ -182,3 +182,77 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     monkeypatch.delenv(XLA_THREADS)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
     assert not workers.single_threaded_main(os.environ)                  # too late: XLA keeps its threads
+
+def test_section_7_verdicts_from_given_numbers():
+    """Section 7's two verdicts are computed from their numbers: the output claim holds on a
+    model when the better optimised edit reaches 75 % of the targets (closed forms do not
+    count), the paper claim from its four paper-rule checks; the section's badge combines them."""
+    from powerlens.reproduce import steering_section as S
+    assert S.reaches([0.4995, 0.7], 0.5005) and not S.reaches([0.498, 0.9], 0.1)
+    assert not S.reaches([0.9, 0.9], 0.502) and not S.reaches([float("nan")], 0.0) and not S.reaches(None, None)
+    shares = {"smollm2": {"gradient": 0.75, "activation_addition": 0.25, "closed_form_paper_alpha": 1.0},
+              "gemma3": {"gradient": 0.5, "activation_addition": 0.625, "closed_form_token_alpha": 1.0}}
+    verdict, checks = S.output_claim_verdict(shares)
+    assert verdict == "partly supported" and list(checks.values()) == [True, False]
+    assert S.output_claim_verdict({m: {"gradient": 0.875} for m in shares})[0] == "supported"
+    assert S.output_claim_verdict({m: {"activation_addition": 0.7} for m in shares})[0] == "not supported"
+    assert S.output_claim_verdict({}) == ("skipped", {})
+    targets = [{"gradient": {"beta": b, "reached": ok, "min_target_prob": 0.5, "control_kl_mean": 0.1,
+                             "delta_norm": 2 * b}} for b, ok in ((1.0, True), (3.0, True), (9.0, False))]
+    targets.append({"gradient": {"found": False, "reached": False}})
+    s = S.method_summary(targets, "gradient")
+    assert (s["reached"], s["targets"], s["share"]) == (2, 4, 0.5)
+    assert s["median_beta_reached"] == 2.0 and s["median_beta"] == 3.0 and s["median_delta_norm_reached"] == 4.0
+
+    def row(cos, abs_min, feasible, g_norm, before, after):
+        return {"principal_alpha": {"cos": cos}, "gradient": {"feasible": feasible, "norm": g_norm},
+                "closed": {"norm": 10.0, "effects": {"paper_rule_alignment": {"rank1": {"abs_min": abs_min}},
+                                                     "conditions": {"rank1": {"abs_alignment": after},
+                                                                    "before": {"abs_alignment": before}}}}}
+    assert S.paper_claim_verdict([row(0.99, 0.9, True, 1.0, 0.1, 0.5)])[0] == "supported"
+    verdict, checks = S.paper_claim_verdict([row(0.99, 0.9, True, 1.0, 0.1, 0.5), row(0.9, 0.8, True, 11.0, 0.1, 0.5)])
+    assert verdict == "partly supported" and list(checks.values()) == [False, False, False, True]
+    assert S.section_verdict("supported", "not supported") == "partly supported"
+    assert S.section_verdict("supported", "supported") == "supported"
+    assert S.section_verdict("supported", "skipped") == "supported"
+
+
+def test_section_7_output_claim_on_a_tiny_decoder():
+    """The output claim's chunk on a tiny random decoder (MiniLM's tokenizer for the text),
+    2 targets, 2 Adam steps: every method is measured on the model's own forward pass, the
+    closed form with the token α puts the worst prompt at p = 0.5 (the level it was chosen
+    for), and a target counts as reached only with the control KL in bound too."""
+    import jax.numpy as jnp
+    import numpy as np
+    from powerlens.dynamics.params import LayerConfig, make_layers
+    from powerlens.models.base import Model, ModelInfo
+    from powerlens.models.load import resolve
+    from powerlens.reproduce import steering_section as S
+    rng = np.random.default_rng(0)
+    V, d, H, e, f, L = 30522, 8, 2, 4, 12, 1
+    cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-6,
+                      norm_placement="pre", ffn_activation="silu_glu", family="llama")
+    r = lambda *s, sc=0.4: (sc * rng.standard_normal(s)).astype(np.float32)
+    layers = make_layers(r(L, H, e, d), r(L, d, H * e), W_q=r(L, H, e, d), W_k=r(L, H, e, d), config=cfg,
+                         norm_scale=1 + r(L, d, sc=0.1), ffn_norm_scale=1 + r(L, d, sc=0.1), W_in=r(L, f, d),
+                         W_gate=r(L, f, d), W_out=r(L, d, f))
+    word = r(V, d, sc=1.0)
+    word[[2000, 3000]] *= 4
+    model = Model(layers=layers, embeddings={"word": jnp.asarray(word)}, final_norm_scale=None, lm_head=None,
+                  info=ModelInfo(family="llama", source="synthetic", decoder=True, name="tiny",
+                                 tokenizer=resolve("minilm")))
+    res = S.output_claim_numbers(model, ["the cat sat on", "a dog ran to"], [2000, 3000], steps=2, seed=0)
+    assert [t["target_id"] for t in res["targets"]] == [2000, 3000]
+    for t in res["targets"]:
+        assert set(S.METHODS) <= set(t) and t["before"]["beta"] == 0.0
+        for m in S.METHODS:
+            got = t[m]
+            if "beta" in got:
+                assert got["reached"] == S.reaches(got["target_prob"], got["control_kl_mean"])
+                assert len(got["target_prob"]) == 2 and got["min_target_prob"] == min(got["target_prob"])
+    token_ray = res["targets"][1]["closed_form_token_alpha"]
+    assert token_ray["ray_reaches_target_prob"] and token_ray["beta"] > 0
+    assert token_ray["min_target_prob"] == pytest.approx(0.5, abs=1e-3)
+    assert token_ray["control_kl_mean"] > 0.5 and not token_ray["reached"]
+    summary = S.method_summary(res["targets"], "closed_form_token_alpha")
+    assert summary["targets"] == 2 and summary["reached"] == 0

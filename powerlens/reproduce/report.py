@@ -18,6 +18,13 @@ def _anchor(s: SectionResult) -> str:
     return "sec-" + s.id
 
 
+def _claim_verdicts(s: SectionResult) -> dict:
+    """A section with several claims (``numbers["verdicts"]``, e.g. section 7's paper claim and
+    output claim): {"paper claim": verdict, ...}; {} for the others."""
+    verdicts = s.numbers.get("verdicts") if isinstance(s.numbers, dict) else None
+    return {k.replace("_", " "): v for k, v in verdicts.items()} if isinstance(verdicts, dict) else {}
+
+
 def render_markdown(sections: List[SectionResult], settings: dict) -> str:
     lines = ["# powerlens reproduce", "",
              "Reproduction of *Analogies between Transformer Layers and Power Method* (Li & Altafini, 2026), "
@@ -28,6 +35,8 @@ def render_markdown(sections: List[SectionResult], settings: dict) -> str:
     for s in sections:
         lines += ["", f'<a id="{_anchor(s)}"></a>', f"## {s.title}", "", f"**Claim.** {s.claim}", "",
                   f"**Verdict: {s.verdict}.** {s.summary}", ""]
+        if _claim_verdicts(s):
+            lines += ["; ".join(f"**{claim}: {v}**" for claim, v in _claim_verdicts(s).items()), ""]
         if s.error:
             lines += ["```", s.error, "```", ""]
         checks = s.numbers.get("checks") if isinstance(s.numbers, dict) else None
@@ -55,6 +64,9 @@ def _section(s: SectionResult, out_dir: str) -> str:
     parts = [f"<section id='{_anchor(s)}'><h2>{e(s.title)}{_badge(s.verdict)}</h2>"]
     if s.claim:
         parts.append(f"<p class='claim'><b>Claim.</b> {e(s.claim)}</p>")
+    if _claim_verdicts(s):
+        parts.append("<p class='verdicts'>" + " ".join(f"{e(claim)}: {_badge(v)}"
+                                                      for claim, v in _claim_verdicts(s).items()) + "</p>")
     parts.append(f"<p>{e(s.summary)}</p>")
     if s.error:
         parts.append(f"<pre class='error'>{e(s.error)}</pre>")

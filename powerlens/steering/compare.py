@@ -76,7 +76,7 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
 
     Returns {"before": {...}, name: {...}} (JSON-ready). ``continuation`` is left out (with
     ``continuation_unavailable`` saying why) for an activation addition on a block whose
-    output is normed after its FFN."""
+    output is normed after its FFN; ``continuation_tokens=0`` leaves it out everywhere."""
     from ..models.generate import generate
     from ..models.tokens import top_tokens
     from .token import CONTROL_PROMPTS
@@ -102,6 +102,8 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
             _, pp = _last_probs(m, forward_final(m, xp, vp, layer=layer, add=add)[0], vp)
             out["paraphrases"] = {"prompts": list(paraphrases), "target_prob": pp[:, int(target_id)].tolist(),
                                   "target_prob_mean": float(pp[:, int(target_id)].mean())}
+        if not continuation_tokens:
+            return out
         try:
             gm = m if add is None else activation_model(m, add, layer)
             out["continuation"] = generate(gm, list(prompts), max_new_tokens=continuation_tokens).text

@@ -571,8 +571,7 @@ class Engine:
                     return kept
                 self._stale[name] = why                  # a stored null: cached() returned it
                 self.log(f"powerlens sweep: stored chunk {name} {why}; recomputed it")
-            replace = getattr(self.store, "replace", None)   # a store without it keeps the chunk in memory
-            value = replace(name, value) if replace is not None else jsonable(value)
+            value = self.store.replace(name, value)
         return value
 
     # ------------------------------------------------------------------ the whole sweep
