@@ -59,6 +59,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/sweep.py
 	$(PY) benchmarks/tokenizer.py
+	$(PY) benchmarks/startup.py
 
 clean:
 	rm -rf $(VENV) results

@@ -159,8 +159,14 @@ def torch_layers(layers):
     under ``torch.compile``)."""
     names = [k for k in layers.__dataclass_fields__ if k != "config"]
     arrs = {k: np.asarray(getattr(layers, k)) for k in names if getattr(layers, k) is not None}
-    return [{k: float(v[u]) if k == "scale" else torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
-            for u in range(layers.n_unique)]
+    out = [{k: float(v[u]) if k == "scale" else torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
+           for u in range(layers.n_unique)]
+    for p in out:                       # the fused projection a researcher writes: one (d, (H+2G) e) matmul
+        if "W_q" in p and "W_k" in p:
+            d = p["W_v"].shape[-1]
+            p["W_qkv_T"] = torch.cat([p["W_q"].reshape(-1, d), p["W_k"].reshape(-1, d),
+                                      p["W_v"].reshape(-1, d)], 0).T.contiguous()
+    return out
 
 
 def rope_tables(n, e, theta, device=None):
@@ -179,9 +185,7 @@ def torch_attention(p, X, mask, cfg, rope, keep_bias):
     """Attn(X) for X (B, n, d) with SDPA; mask (B, 1, n, n) bool (True = attend)."""
     B, n, d = X.shape
     H, G, e = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    q = X @ p["W_q"].reshape(H * e, d).T
-    k = X @ p["W_k"].reshape(G * e, d).T
-    v = X @ p["W_v"].reshape(G * e, d).T
+    q, k, v = (X @ p["W_qkv_T"]).split([H * e, G * e, G * e], dim=-1)    # fused q/k/v: one matmul
     if "b_q" in p:
         q = q + p["b_q"].reshape(-1)
         k = k + p["b_k"].reshape(-1)

@@ -46,7 +46,8 @@ import jax
 import numpy as np
 
 from ..analysis.budget import Estimate, available_bytes, format_bytes, run_estimate
-from ..dynamics.execution import device_mesh, map_systems, micro_size, padded_size
+from ..dynamics import execution
+from ..dynamics.execution import map_systems, micro_size, padded_size
 from . import columns
 from .grid import DYNAMIC, Grid, Group, system_seeds
 from .measures import measure
@@ -270,7 +271,7 @@ class Engine:
         self.groups = self.grid.groups()
         self.statics = [static_of(spec, g) for g in self.groups]
         self.rank, self.nproc = jax.process_index(), jax.process_count()
-        self.mesh = device_mesh("global" if mode == "global" else None)
+        self.mesh = execution.device_mesh("global" if mode == "global" else None)
         self.micro = _micro(spec)
         builder = spec.system.get("builder", "synthetic")
         self.device_built = spec.model is None and builder == "synthetic"
