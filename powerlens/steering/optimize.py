@@ -53,7 +53,7 @@ from ..dynamics.run import run
 from .alpha import check_target, entering_states, steered_steps
 from .directions import as_direction
 from .lagrangian import bisect_increasing, constrained_adam
-from .rank1 import W_CHOICES, host_matrices, inverse_map, layer_index, rank_tolerance, resolve_w
+from .rank1 import W_CHOICES, factor_rank, host_matrices, inverse_map, layer_index, resolve_w
 
 PARAMS = ("w_alpha", "lowrank")
 OBJECTIVES = ("alignment", "token")
@@ -324,16 +324,9 @@ class SteeringResult:
                          np.asarray(self.factor_Q, np.float64))
 
     def delta_rank(self, i: int = 0) -> int:
-        """Numerical rank of delta_O[i] = P Q^T (at most ``rank``; 0 when infeasible): with
-        P = Q_P R_P and Q = Q_Q R_Q (thin QR), the singular values of P Q^T are those of the
-        r x r matrix R_P R_Q^T, counted above the rounding of the factors' own precision
-        (:func:`~.rank1.rank_tolerance`: a float32 optimiser's rounding is not a direction)."""
-        P, Q = (np.asarray(f[i], np.float64) for f in (self.factor_P, self.factor_Q))
-        if not (np.all(np.isfinite(P)) and np.all(np.isfinite(Q))):
-            return 0
-        sv = np.linalg.svd(np.linalg.qr(P)[1] @ np.linalg.qr(Q)[1].T, compute_uv=False)
-        tol = rank_tolerance(sv, (P.shape[0], Q.shape[0]), np.result_type(self.factor_P, self.factor_Q))
-        return int(np.sum(sv > tol)) if sv[0] > 0 else 0
+        """Numerical rank of delta_O[i] = P Q^T (at most ``rank``; 0 when infeasible;
+        :func:`~.rank1.factor_rank`)."""
+        return factor_rank(np.asarray(self.factor_P[i]), np.asarray(self.factor_Q[i]))
 
     @property
     def norm_ratio(self) -> np.ndarray:

@@ -95,6 +95,21 @@ def rank_tolerance(sv: np.ndarray, shape, dtype=np.float64) -> float:
     return float(sv[0]) * max(shape) * float(np.finfo(dtype).eps) * 10
 
 
+def factor_rank(P, Q) -> int:
+    """Numerical rank of P Q^T for factors P "float[d r]", Q "float[m r]" (0 when either is
+    not finite or the product is zero): with P = Q_P R_P and Q = Q_Q R_Q (thin QR), the singular
+    values of P Q^T are those of the r x r matrix R_P R_Q^T, counted above the rounding of the
+    factors' own precision (:func:`rank_tolerance`: a float32 optimiser's rounding is not a
+    direction)."""
+    dtype = np.result_type(P, Q)
+    P, Q = np.asarray(P, np.float64), np.asarray(Q, np.float64)
+    if not (np.all(np.isfinite(P)) and np.all(np.isfinite(Q))):
+        return 0
+    sv = np.linalg.svd(np.linalg.qr(P)[1] @ np.linalg.qr(Q)[1].T, compute_uv=False)
+    tol = rank_tolerance(sv, (P.shape[0], Q.shape[0]), dtype)
+    return int(np.sum(sv > tol)) if sv[0] > 0 else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class WChoice:
     """The closed-form w actually used for a layer, and why (see :func:`resolve_w`)."""

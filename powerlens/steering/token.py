@@ -44,7 +44,7 @@ from ..dynamics.run import run_batch
 from ..models.forward import logits as model_logits
 from .lagrangian import bisect_increasing, constrained_adam
 from .optimize import _delta_sq, edit_factors, factor_norm, initial_params, run_tail
-from .rank1 import host_matrices, inverse_map, layer_index, rank_tolerance, resolve_w
+from .rank1 import factor_rank, host_matrices, inverse_map, layer_index, resolve_w
 
 TOKEN_PARAMS = ("lowrank", "w_alpha", "activation")
 
@@ -246,12 +246,7 @@ class TokenSteeringResult:
     def delta_rank(self, i: int = 0) -> int:
         """Numerical rank of delta_O[i] (see :meth:`~.optimize.SteeringResult.delta_rank`); 1
         for a nonzero activation vector, 0 when infeasible."""
-        P, Q = (np.asarray(f[i], np.float64) for f in (self.factor_P, self.factor_Q))
-        if not (np.all(np.isfinite(P)) and np.all(np.isfinite(Q))):
-            return 0
-        sv = np.linalg.svd(np.linalg.qr(P)[1] @ np.linalg.qr(Q)[1].T, compute_uv=False)
-        tol = rank_tolerance(sv, (P.shape[0], Q.shape[0]), np.result_type(self.factor_P, self.factor_Q))
-        return int(np.sum(sv > tol)) if sv[0] > 0 else 0
+        return factor_rank(np.asarray(self.factor_P[i]), np.asarray(self.factor_Q[i]))
 
     def to_json(self, i: int = 0) -> dict:
         f = lambda a: float(np.asarray(a)[i])

@@ -227,13 +227,7 @@ def _import_installed(module: str):
             hint = (f"; {top!r} lies in the current directory, which is never searched: name its file with "
                     f"builder_path" if here is not None else "")
             raise ImportError(f"no installed module named {top!r}{hint}")
-        mod = importlib.util.module_from_spec(found)
-        sys.modules[top] = mod
-        try:
-            found.loader.exec_module(mod)
-        except BaseException:
-            sys.modules.pop(top, None)
-            raise
+        _exec_module(found, top)
     return importlib.import_module(module)
 
 
@@ -247,6 +241,12 @@ def _import_file(module: str, path: str):
     found = importlib.util.spec_from_file_location(name, path)
     if found is None or found.loader is None:
         raise ImportError(f"builder_path {path!r} is not a Python file")
+    return _exec_module(found, name)
+
+
+def _exec_module(found, name: str):
+    """Run the module of the import spec ``found`` as ``sys.modules[name]`` (removed again if
+    its code raises)."""
     mod = importlib.util.module_from_spec(found)
     sys.modules[name] = mod
     try:
