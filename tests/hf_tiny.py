@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import numpy as np
 import torch
@@ -106,3 +107,14 @@ def additive_mask(mask, dtype=torch.float32):
     """Eager-attention additive mask (B, 1, 1, n): 0 on valid keys, dtype min on padding."""
     m = torch.as_tensor(np.asarray(mask, bool))
     return torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype)[:, None, None, :]
+
+
+def bert_with_minilm_tokenizer(folder, seed: int = 0):
+    """A tiny random BERT folder (``build("bert")``) with the real MiniLM tokenizer files, so
+    that text prompts tokenize as they do for ``minilm``; returns the folder."""
+    import shutil
+    from powerlens.models.load import resolve
+    build("bert", folder, seed=seed, vocab_size=30522)
+    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(resolve("minilm"), name), os.path.join(folder, name))
+    return folder

