@@ -326,7 +326,9 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     import importlib
     run_mod = importlib.import_module("powerlens.dynamics.run")
     sim = importlib.import_module("powerlens.dynamics.simulate")
-    from powerlens.dynamics.run import CHUNK_TOKENS_CPU, prompt_chunk, run_batch
+    from powerlens.dynamics.execution import TUNING
+    from powerlens.dynamics.run import prompt_chunk, run_batch
+    CHUNK_TOKENS_CPU = TUNING.chunk_tokens_cpu
     assert prompt_chunk(32, 128, "cpu") == CHUNK_TOKENS_CPU // 128 == 8
     assert prompt_chunk(8, 128, "cpu") is None                          # one chunk already
     assert prompt_chunk(8, 512, "cpu") is None                          # query blocks: no gain measured

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 
 from . import execution
 from .blocked import blocked_attention_mix
-from .execution import TUNING
 from .norms import apply_norm
 from .params import FUSED_ATTENTION as FUSED
 
@@ -184,13 +183,6 @@ def _softmax_qkv(lp, X, positions=None, qkv=None):
     return q, k, v
 
 
-BLOCKED_ABOVE = TUNING.blocked_above
-"""The default of :attr:`~powerlens.dynamics.execution.Tuning.blocked_above`: longer prompts go
-by query blocks (the value in use is read from :data:`~powerlens.dynamics.execution.TUNING`)."""
-
-QUERY_BLOCK = TUNING.query_block
-"""The default of :attr:`~powerlens.dynamics.execution.Tuning.query_block`: queries per block
-above ``blocked_above`` tokens (the value in use is read from ``TUNING``)."""
 
 
 def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
@@ -204,8 +196,8 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     keys and values as their G heads, the other schedules repeat them to H), then, by
     ``config.attention_block``:
 
-      None (default)  one dense block (:func:`dense_softmax_mix`) up to :data:`BLOCKED_ABOVE`
-                      tokens, query blocks of :data:`QUERY_BLOCK` above (:func:`query_blocked_mix`);
+      None (default)  one dense block (:func:`dense_softmax_mix`) up to :attr:`~powerlens.dynamics.execution.Tuning.blocked_above`
+                      tokens, query blocks of :attr:`~powerlens.dynamics.execution.Tuning.query_block` above (:func:`query_blocked_mix`);
       0               one dense block, the whole "float[H n n]" score tensor;
       k > 0           the online softmax over blocks of k keys of
                       :func:`powerlens.dynamics.blocked.blocked_attention_mix`, "float[H n k]" at a time;

@@ -77,8 +77,8 @@ class LayerConfig:
         (absent: the one shared ``norm``, as in Phi).
       attention_block: how softmax attention is computed (the numbers are the same to float
         rounding): ``None`` (default) dense for prompts of at most
-        :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE` tokens and by query blocks of
-        :data:`~powerlens.dynamics.attention.QUERY_BLOCK` above ("float[H 128 n]" at a time;
+        :attr:`~powerlens.dynamics.execution.Tuning.blocked_above` tokens and by query blocks of
+        :attr:`~powerlens.dynamics.execution.Tuning.query_block` above ("float[H 128 n]" at a time;
         a causal block reads only the keys up to its last query); ``0`` always dense (the
         whole "float[H n n]" score tensor); ``k > 0`` always by blocks of k keys (online
         softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`); ``"cudnn"``

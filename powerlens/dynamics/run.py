@@ -36,7 +36,6 @@ import numpy as np
 
 from . import execution
 from .attention import check_attention
-from .execution import TUNING
 from .inputs import check_batch, check_mask, check_schedule, check_tokens, concrete
 from .layer import check_rule, layer_step
 from .observers import READY, Observer, Step, states
@@ -159,11 +158,6 @@ def _checked(layers: Layers, x0, valid, schedule):
     return x0, valid, schedule
 
 
-MEASURE_AFTER_BYTES = TUNING.measure_after_bytes
-"""The default of :attr:`~powerlens.dynamics.execution.Tuning.measure_after_bytes` (the value in
-use is read from :data:`~powerlens.dynamics.execution.TUNING`; docs/performance.md)."""
-
-
 def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | None" = None) -> bool:
     """Whether ``measure_after`` pays for the prompts X0 run through ``layers`` (over
     ``schedule``, default the layers' own): all their states, (T+1) B n d numbers of the
@@ -171,11 +165,6 @@ def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | N
     T = len(layers.schedule) if schedule is None else np.shape(schedule)[0]
     B, n, d = np.shape(X0)
     return B * (T + 1) * n * d * np.dtype(layers.W_v.dtype).itemsize <= execution.TUNING.measure_after_bytes
-
-
-CHUNK_TOKENS_CPU = TUNING.chunk_tokens_cpu
-"""The default of :attr:`~powerlens.dynamics.execution.Tuning.chunk_tokens_cpu` (the value in
-use is read from :data:`~powerlens.dynamics.execution.TUNING`; docs/performance.md)."""
 
 
 def platform_of(array) -> str:
@@ -192,7 +181,7 @@ def platform_of(array) -> str:
 def prompt_chunk(batch: int, tokens: int, platform: Optional[str] = None) -> Optional[int]:
     """Prompts per step of :func:`map_prompts` for ``batch`` prompts of ``tokens`` tokens
     (:attr:`~powerlens.dynamics.execution.Tuning.chunk_tokens_cpu`), or None: one ``vmap`` over the whole batch (any platform but
-    the CPU, prompts over :data:`~powerlens.dynamics.attention.BLOCKED_ABOVE` tokens, or a
+    the CPU, prompts over :attr:`~powerlens.dynamics.execution.Tuning.blocked_above` tokens, or a
     batch that is one chunk already). ``platform``: where the program runs (the entry points
     pass :func:`platform_of` their weights); default ``jax.default_backend()``."""
     platform = jax.default_backend() if platform is None else platform
