@@ -4,7 +4,8 @@ The whole tour in one namespace::
 
     import powerlens as pl
 
-    # a synthetic shared-weight system with a prescribed spectrum of F = O V
+    # a synthetic shared-weight system with a prescribed spectrum of F = O V (facts=True: also
+    # the builder's facts, F and its spectrum by construction)
     layers = pl.synthetic_system([2.0, 0.5 + 1.0j, 0.3], kind="normal", heads=2, d=8, steps=60)
     spectra = pl.spectra_of(layers)                               # both orderings, per layer
     subs = pl.reference_subspaces(spectra)                        # principal + random + other layer

@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimize", action="store_true",
                    help="gradient-based steering (optax): min ||dO||_F subject to the target alignment")
     p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
+    p.add_argument("--steps", type=int, default=None, help="Adam steps of --optimize (default 300)")
     p.add_argument("--objective", choices=["alignment", "token"], default="alignment",
                    help="alignment: the paper rule's final-token alignment with the direction (default); token: "
                         "the model's own next-token probability of the direction's token (decoders, "
@@ -231,10 +232,14 @@ def _limit_blas_threads() -> None:
     variable reaches it (and the worker processes), ``threadpool_limits`` the libraries
     already loaded. (With the limit on NumPy's OpenBLAS only, SciPy's kept two spinning
     threads: ``reproduce --quick`` used 178 s of CPU in 100 s, against 158 s in 89 s.)
+    The command line loads no BLAS before this runs, so there the variable is enough and
+    threadpoolctl (its import and its scan of the loaded libraries) is left out.
     """
     if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
         return
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    if "numpy" not in sys.modules and "scipy" not in sys.modules:
+        return
     try:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=1, user_api="blas")

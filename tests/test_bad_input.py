@@ -11,7 +11,7 @@ from powerlens.dynamics.attention import check_attention
 from powerlens.dynamics.layer import check_rule, layer_step
 from powerlens.dynamics.params import LayerConfig, check_steps, make_layers
 from powerlens.dynamics.simulate import check_tokens, simulate_batch
-from powerlens.dynamics.synthetic import parse_spectrum, spectrum_matrix, split_heads, synthetic_system
+from powerlens.dynamics.synthetic import parse_spectrum, spectrum_matrix, synthetic_system
 
 U, H, E, D = 1, 2, 3, 6
 
@@ -152,7 +152,7 @@ def test_spectra_inputs():
     with pytest.raises(ValueError, match=r"'symmetric' needs a real spectrum"):
         spectrum_matrix([1 + 1j])
     with pytest.raises(ValueError, match=r"cannot carry a rank-6 F"):
-        split_heads(np.eye(6), 2, np.random.default_rng(0), d_head=2)
+        synthetic_system(None, F=np.eye(6), heads=2, d_head=2)
     with pytest.raises(ValueError, match=r"F must have shape \(L, d, d\)"):
         layer_spectra(np.zeros((2, 3, 4)))
     with pytest.raises(ValueError, match=r"need 0 < k <= d"):

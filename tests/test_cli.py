@@ -9,7 +9,7 @@ import pytest
 
 from powerlens.cli import build_parser, main
 from powerlens.models.npz import load_weights_npz, save_weights_npz
-from powerlens.dynamics.synthetic import spectrum_matrix, split_heads
+from powerlens.dynamics.synthetic import synthetic_system
 
 
 def run(argv, capsys):
@@ -109,10 +109,8 @@ def test_weights_file_round_trip(tmp_path, capsys):
 
 def test_weights_file_single_layer_shared(tmp_path, capsys):
     """A file without a layer axis is one layer; --steps T iterates it T times."""
-    rng = np.random.default_rng(0)
-    F = spectrum_matrix([2.0, 0.5], kind="symmetric", d=4, rng=rng)
-    W_v, W_o = split_heads(F, 2, rng)
-    np.savez(tmp_path / "one.npz", W_v=W_v, W_o=W_o)
+    one = synthetic_system([2.0, 0.5], kind="symmetric", heads=2, d=4, seed=0, dtype=np.float64)
+    np.savez(tmp_path / "one.npz", W_v=one.W_v[0], W_o=one.W_o[0])
     out = tmp_path / "o"
     code, _, err = run(["simulate", "--weights", str(tmp_path / "one.npz"), "--attention", "identity", "--steps", "7",
                         "--tokens", "3", "--quiet", "--out", str(out)], capsys)
@@ -123,11 +121,9 @@ def test_weights_file_single_layer_shared(tmp_path, capsys):
 
 
 def test_spectrum_weights(tmp_path, capsys):
-    rng = np.random.default_rng(1)
-    F = np.stack([spectrum_matrix([-3.0, 1.5], kind="symmetric", d=4, rng=rng),
-                  spectrum_matrix([2.0, 0.1], kind="symmetric", d=4, rng=rng)])
-    vs = [split_heads(f, 1, rng) for f in F]
-    np.savez(tmp_path / "s.npz", W_v=np.stack([v for v, _ in vs]), W_o=np.stack([o for _, o in vs]))
+    vs = [synthetic_system(eigs, kind="symmetric", heads=1, d=4, seed=s, dtype=np.float64)
+          for s, eigs in enumerate([[-3.0, 1.5], [2.0, 0.1]])]
+    np.savez(tmp_path / "s.npz", W_v=np.concatenate([v.W_v for v in vs]), W_o=np.concatenate([v.W_o for v in vs]))
     out = tmp_path / "spec"
     code, text, err = run(["spectrum", "--weights", str(tmp_path / "s.npz"), "--out", str(out)], capsys)
     assert code == 0, err

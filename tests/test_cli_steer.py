@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.dynamics.synthetic import spectrum_matrix, split_heads
+from powerlens.dynamics.synthetic import synthetic_system
 
 
 @pytest.fixture(scope="module")
@@ -15,9 +15,9 @@ def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("steer")
     rng = np.random.default_rng(5)
     d, H = 8, 2
-    F = spectrum_matrix([1.5, 0.8, 0.3], kind="nonnormal", d=d, rng=rng)
-    W_v, W_o = split_heads(F, H, rng)
-    np.savez(root / "sys.npz", W_q=rng.normal(size=(H, 4, d)), W_k=rng.normal(size=(H, 4, d)), W_v=W_v, W_o=W_o)
+    one = synthetic_system([1.5, 0.8, 0.3], kind="nonnormal", heads=H, d=d, seed=5, dtype=np.float64)
+    np.savez(root / "sys.npz", W_q=rng.normal(size=(H, 4, d)), W_k=rng.normal(size=(H, 4, d)), W_v=one.W_v[0],
+             W_o=one.W_o[0])
     np.save(root / "x0.npy", rng.normal(size=(2, 6, d)))
     np.save(root / "u.npy", rng.normal(size=d))
     np.save(root / "zero.npy", np.zeros(d))

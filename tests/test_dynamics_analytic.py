@@ -23,7 +23,8 @@ from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
 from powerlens.dynamics.params import LayerConfig, make_layers
 from powerlens.dynamics.simulate import pooled, simulate_batch, simulate_jit
-from powerlens.dynamics.synthetic import cone_tokens, haar_orthogonal, sphere_tokens, split_heads, synthetic_system
+from powerlens.dynamics.linalg import haar
+from powerlens.dynamics.synthetic import cone_tokens, sphere_tokens, synthetic_system
 
 
 pytestmark = pytest.mark.usefixtures("x64")   # float64 for this module only (tests/conftest.py)
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("x64")   # float64 for this module only (te
 
 def _sym(eigs, seed=0):
     """F = Q diag(eigs) Q^T with a Haar Q; returns F and Q (columns = eigenvectors)."""
-    Q = haar_orthogonal(np.random.default_rng(seed), len(eigs))
+    Q = haar(np.random.default_rng(seed).standard_normal((len(eigs), len(eigs))))
     return Q @ np.diag(eigs) @ Q.T, Q
 
 
@@ -108,8 +109,7 @@ def test_complex_pair_rotation(kind, measure_after):
     """
     lam = 0.5 + 1.2j
     from powerlens.dynamics.synthetic import spectrum_matrix
-    F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.25], kind=kind, d=6, rng=np.random.default_rng(3),
-                        nonnormality=0.5)
+    F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.25], kind=kind, d=6, seed=3, nonnormality=0.5)
     rng = np.random.default_rng(4)
     traj, _, sub = _run(F, sphere_tokens(rng, 5, 6), 200, measure_after=measure_after)
     theta = math.atan2(1.2, 1.5)
@@ -352,7 +352,8 @@ def test_anti_consensus(eigs):
 def _bip_layers(F, heads, seed, scale=None, c_target=None):
     rng = np.random.default_rng(seed)
     d = F.shape[0]
-    W_v, W_o = split_heads(F, heads, rng, d_head=d)
+    split = synthetic_system(None, F=F, heads=heads, d_head=d, seed=seed, dtype=np.float64)
+    W_v, W_o = split.W_v[0], split.W_o[0]
     W_q = rng.standard_normal((heads, d, d))
     W_k = rng.standard_normal((heads, d, d))
     cfg = LayerConfig(d_model=d, n_heads=heads, d_head=d, norm="l2")

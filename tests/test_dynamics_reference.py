@@ -19,7 +19,7 @@ from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
 from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
 from powerlens.dynamics.simulate import simulate, simulate_batch, simulate_jit
-from powerlens.dynamics.synthetic import spectrum_matrix, split_heads
+from powerlens.dynamics.synthetic import synthetic_system
 
 TOL = 1e-5
 
@@ -28,14 +28,16 @@ def _system(*, causal, window, norm, rope_theta=None, rope_dim=None, heads=4, kv
             seed=0, schedule=(0, 1, 1, 0, 1), biases=True):
     """Two unique layers. Layer 0 has a dominant complex pair (rotation measured), layer 1
     a dominant real eigenvalue. W_v is shared by the query heads of each kv group, so F is
-    split with split_heads on the G kv heads and W_o's columns duplicated / group."""
+    split by the synthetic builder over the G kv heads and W_o's columns duplicated / group."""
     rng = np.random.default_rng(seed)
     group = heads // kv_heads
-    Fs = [spectrum_matrix([0.9 + 0.8j, 0.3, -0.4, 0.2], kind="nonnormal", d=d, rng=rng, nonnormality=0.3),
-          spectrum_matrix([1.2, 0.5, -0.6, 0.1], kind="normal", d=d, rng=rng)]
+    split = [synthetic_system([0.9 + 0.8j, 0.3, -0.4, 0.2], kind="nonnormal", nonnormality=0.3, heads=kv_heads,
+                              d=d, d_head=e, seed=seed, dtype=np.float64),
+             synthetic_system([1.2, 0.5, -0.6, 0.1], kind="normal", heads=kv_heads, d=d, d_head=e, seed=seed + 1,
+                              dtype=np.float64)]
     W_v, W_o = [], []
-    for F in Fs:
-        V, O = split_heads(F, kv_heads, rng, d_head=e)     # O (d, G e)
+    for one in split:
+        V, O = one.W_v[0], one.W_o[0]                     # O (d, G e)
         # each kv head g serves `group` query heads: split its output block evenly
         O_full = np.concatenate([O[:, g * e:(g + 1) * e] / group for g in range(kv_heads) for _ in range(group)],
                                 axis=1)

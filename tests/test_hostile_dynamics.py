@@ -230,8 +230,10 @@ def test_interrupt_between_chunks_exits_130_and_writes_nothing(tmp_path, capsys,
 # ------------------------------------------------------------------ 3. non-finite states
 
 def _scaled_weights(path, factor, *, dtype=np.float32):
-    """A small softmax system with W_q, W_k, W_v, W_o scaled by ``factor``."""
-    layers = synthetic_system([1.5, 0.5], kind="normal", d=6, heads=2, seed=0, dtype=np.float64)
+    """A small softmax system with W_q, W_k, W_v, W_o scaled by ``factor``. Seed 2: every
+    product W_o[i,k] V[k,j] is below 0.9, so the scaled F = W_o V stays finite up to a factor
+    of 1e154 in float64 (1e19 in float32), and only the states overflow."""
+    layers = synthetic_system([1.5, 0.5], kind="normal", d=6, heads=2, seed=2, dtype=np.float64)
     arrays = {k: np.asarray(getattr(layers, k), np.float64) * factor for k in ("W_q", "W_k", "W_v", "W_o")}
     np.savez(path, **{k: a[0] for k, a in arrays.items()})
     return str(path)
@@ -359,13 +361,13 @@ def test_symmetric_system_has_no_complex_eigenvalues(tmp_path, capsys):
 def test_numerically_symmetric_F_is_real_but_a_rotation_is_not():
     from powerlens.analysis.spectra import layer_spectra
     from powerlens.dynamics.synthetic import spectrum_matrix
-    F = spectrum_matrix([3.0, 1.0], kind="symmetric", d=16, rng=np.random.default_rng(0))
+    F = spectrum_matrix([3.0, 1.0], kind="symmetric", d=16, seed=0)
     F32 = F.astype(np.float32).astype(np.float64) + 1e-9 * np.random.default_rng(1).standard_normal(F.shape)
     s = layer_spectra(F32)[0]
     for o in (s.shifted, s.plain):
         assert np.all(o.eigenvalues.imag == 0) and not o.is_complex
     np.testing.assert_allclose(np.sort(s.shifted.eigenvalues.real)[-2:], [1.0, 3.0], atol=1e-6)
-    rot = spectrum_matrix([0.5 + 1e-3j, 0.1], kind="normal", d=6, rng=np.random.default_rng(0))
+    rot = spectrum_matrix([0.5 + 1e-3j, 0.1], kind="normal", d=6, seed=0)
     assert layer_spectra(rot)[0].shifted.is_complex
 
 

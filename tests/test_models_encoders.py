@@ -376,3 +376,22 @@ def test_reader_skips_buffers_by_whole_name(tmp_path):
     np.testing.assert_array_equal(stack, [[0] * 6, list(range(6))])
     with pytest.raises(CheckpointError, match=r"'h\.0\.attn\.c_attn\.bias' has shape \(6,\), expected \(2, 3\)"):
         r.get("h.0.attn.c_attn.bias", (2, 3))
+
+
+@pytest.mark.parametrize("case", ["bert", "distilbert", "albert_g2_i2"])
+def test_encoder_converters_load_in_the_dtype_they_are_given(built, case):
+    """Each encoder converter honours its ``dtype`` argument, whatever its reader's default:
+    given float64 with a float32 reader, every layer array and embedding is float64, holding
+    the float32 checkpoint's values (to float32 rounding: the attention scale 1/sqrt(e) is
+    computed in the dtype)."""
+    from powerlens.models.base import CONVERTERS
+    from powerlens.models.reader import TensorReader, read_config
+    folder, ref = built[case][1], built[case][2]
+    with jax.enable_x64(True):
+        model = CONVERTERS[CASES[case][0]](read_config(folder), TensorReader(folder), np.dtype(np.float64), "")
+        floats = lambda m: [a for a in jax.tree_util.tree_leaves((m.layers, m.embeddings))
+                            if np.issubdtype(a.dtype, np.floating)]
+        got, want = floats(model), floats(ref)
+        assert len(got) == len(want) > 10 and {a.dtype for a in got} == {np.dtype(np.float64)}
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b, np.float64), rtol=2 ** -23, atol=0)

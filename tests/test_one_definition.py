@@ -378,3 +378,56 @@ def test_one_haar_draw_and_one_group_rule_on_numpy_and_jnp():
     keys = np.array([2.0, 2.0 * (1 - GROUP_RTOL / 2), 1.5, 1.5, 1.5 * (1 - 2 * GROUP_RTOL), 0.0])
     assert [int(group_size(keys, s)) for s in (0, 2, 4, 5, 6)] == [2, 2, 1, 1, 0]
     assert [int(group_size(jnp.asarray(keys), s)) for s in (0, 2, 4, 5, 6)] == [2, 2, 1, 1, 0]
+
+
+def test_simulate_the_sweep_and_trace_take_their_observers_from_the_one_bundle(monkeypatch):
+    """``simulate``, the sweep's per-system ``measure`` and ``trace`` each run the one bundle of a
+    measured run (:func:`~powerlens.dynamics.observers.run_observers`): a spy in its place is called
+    by each, with the sweep's tangents as extras and trace's states on request, and what each
+    returns has the bundle's results; an extra named like one of the bundle's is refused."""
+    import powerlens as pl
+    from powerlens.analysis.spectra import sweep_subspaces
+    from powerlens.dynamics import observers
+    from powerlens.sweeps import measures
+    from powerlens.sweeps.systems import Static, from_layers
+    trace_module = importlib.import_module("powerlens.analysis.trace")        # the modules, not their functions
+    simulate_module = importlib.import_module("powerlens.dynamics.simulate")
+    calls = []
+
+    def spy(who):
+        def bundle(*args, **kw):
+            obs = observers.run_observers(*args, **kw)
+            calls.append((who, tuple(obs)))
+            return obs
+        return bundle
+
+    for who, module in (("simulate", simulate_module), ("sweep", measures), ("trace", trace_module)):
+        assert module.run_observers is observers.run_observers, who
+        monkeypatch.setattr(module, "run_observers", spy(who))
+    from powerlens.dynamics.schedule import Schedule
+    c, r = np.cos(0.4), np.sin(0.4)                  # F = W_o W_v: top pair 2 e^{+-0.4i} (a plane), then 0.3
+    F = np.diag([2.0, 2.0, 0.3, 0.3, 0.3, 0.3])
+    F[:2, :2] = 2.0 * np.array([[c, -r], [r, c]])
+    Q, K = np.random.default_rng(1).standard_normal((2, 1, 1, 6, 6)) / 6
+    system = pl.make_layers(np.eye(6)[None, None], F[None], W_q=Q, W_k=K).with_schedule(Schedule.repeat(0, 5))
+    x0 = pl.sphere_tokens(np.random.default_rng(0), 4, 6)
+    spectra, stacked = sweep_subspaces([system])
+    subs = jax.tree_util.tree_map(lambda a: a[0], stacked)
+    traj = jax.eval_shape(lambda x: simulate_module.simulate(system, x, subs), jnp.asarray(x0))   # traced only
+    assert calls == [("simulate", observers.BUNDLE[:4])] and traj.final.shape == (4, 6) and traj.states is None
+
+    sy = jax.tree_util.tree_map(lambda a: a[0], from_layers([system], x0[None], spectra=spectra, subspaces=stacked))
+    st = Static(d=None, tokens=None, heads=None, kind=None, spectrum=None, init=None, steps=5, attention="softmax",
+                rule="paper", order="shifted", keep_bias=False, x64=False, series=("plane_angle",))
+    raw = jax.eval_shape(lambda sy: measures.measure(sy, st), sy)
+    assert calls[1] == ("sweep", observers.BUNDLE[:4] + ("direction_tan", "plane_angle"))
+    assert raw["direction_tan"].shape == (6,) and raw["plane_angle"].shape == (6, 4)
+
+    X0, valid = jnp.stack([x0, x0[::-1]]), jnp.ones((2, 4), bool)
+    trace_module._trace_batch.clear_cache()                                    # traced afresh: the spy sees it
+    out = jax.eval_shape(functools.partial(trace_module._trace_batch, rule="paper", keep_bias=None, maps=True,
+                                           chunk=None), system, X0, valid, subs, None, None)
+    assert calls[2] == ("trace", observers.BUNDLE + ("attention",))
+    assert out["states"].shape == (6, 2, 4, 6) and out["attention"].shape == (5, 2, 1, 4, 4)   # steps-first
+    with pytest.raises(ValueError, match="'final' is a name of the bundle"):
+        observers.run_observers(subs, extras={"final": observers.final()})

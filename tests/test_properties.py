@@ -22,7 +22,7 @@ from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
 from powerlens.dynamics.measures import alignment
 from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
-from powerlens.dynamics.synthetic import split_heads, spectrum_matrix
+from powerlens.dynamics.synthetic import spectrum_matrix, synthetic_system
 
 N, D, H, E = 5, 6, 2, 3
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,9 +98,8 @@ def test_gamma_invariant_to_eigenvector_phase(X, seed, phi):
     ||P x|| / ||x|| with P the projector onto span(Re z, Im z) of the eigenvector z taken with
     any phase e^{i phi} (P = Z pinv(Z), no QR); and gamma is unchanged by B -> -B. For a
     real dominant eigenvalue: F v = lam v, and v, -v give bit-identical gamma."""
-    rng = np.random.default_rng(seed)
     lam = 1.5 + 1.0j                       # |1 + lam| = 2.69 > 1.3, 1.1, 1.05, 0.8
-    F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.05], kind="nonnormal", d=D, rng=rng, nonnormality=0.5)
+    F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.05], kind="nonnormal", d=D, seed=seed, nonnormality=0.5)
     sp = layer_spectra(F)[0].shifted
     sb = sp.basis
     assert sp.dim == 2 and sp.is_complex and abs(sp.top - lam) < 1e-8
@@ -117,7 +116,7 @@ def test_gamma_invariant_to_eigenvector_phase(X, seed, phi):
     np.testing.assert_allclose(g, want, atol=1e-5)
     np.testing.assert_allclose(np.asarray(alignment(Xj, jnp.asarray(-sb, jnp.float32))), g, atol=1e-6)
     # a real eigenvector and its negative
-    Fr = spectrum_matrix([2.0, 0.5, -0.3], kind="nonnormal", d=D, rng=rng)
+    Fr = spectrum_matrix([2.0, 0.5, -0.3], kind="nonnormal", d=D, seed=seed + 1)
     v = layer_spectra(Fr)[0].shifted.basis
     assert v.shape == (D, 1)
     np.testing.assert_allclose(Fr @ v, 2.0 * v, atol=1e-8 * np.abs(Fr).max())
@@ -133,9 +132,8 @@ def test_random_control_is_orthonormal_and_matches_principal_dim(seed, pairs):
     """reference_subspaces' random control of each layer (reference 1) is an orthonormal
     basis of the principal subspace's dimension (1 for a real top eigenvalue, 2 for a
     complex pair), zero-padded beyond it; the same seed gives the same control."""
-    rng = np.random.default_rng(seed)
-    Fs = [spectrum_matrix([1.5 + 0.7j if pair else 2.0, 0.3, -0.2], kind="normal", d=D, rng=rng)
-          for pair in pairs]
+    Fs = [spectrum_matrix([1.5 + 0.7j if pair else 2.0, 0.3, -0.2], kind="normal", d=D, seed=seed + i)
+          for i, pair in enumerate(pairs)]
     spectra = layer_spectra(np.stack(Fs))
     sub = reference_subspaces(spectra, seed=seed)
     basis, dim = np.asarray(sub.basis, np.float64), np.asarray(sub.dim)
@@ -169,16 +167,18 @@ def test_random_subspace_is_uniform():
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2 ** 16), heads=st.integers(1, 4), extra=st.integers(0, 2),
-       group=st.sampled_from([1, 2]))
-def test_layer_matrices_of_split_heads(seed, heads, extra, group):
-    """split_heads gives W_v, W_o with W_o concat_h(W_vh) = F; layer_matrices rebuilds F,
-    also with grouped-query attention (each kv head's output block split over `group`
-    query heads)."""
-    rng = np.random.default_rng(seed)
-    F = rng.standard_normal((D, D))
+@given(seed=st.integers(0, 2 ** 16), heads_extra=st.sampled_from([(2, 0), (3, 1)]), group=st.sampled_from([1, 2]))
+def test_layer_matrices_of_split_heads(seed, heads_extra, group):
+    """The synthetic builder's head split of a given F gives W_v, W_o with W_o concat_h(W_vh) = F
+    (H e >= d); layer_matrices rebuilds F, also with grouped-query attention (each kv head's
+    output block split over `group` query heads). Two head shapes (H e = d and H e > d), one
+    compiled builder each."""
+    heads, extra = heads_extra
+    F = np.random.default_rng(seed).standard_normal((D, D))
     e = -(-D // heads) + extra
-    V, O = split_heads(F, heads, rng, d_head=e)
+    with jax.enable_x64(True):
+        split = synthetic_system(None, F=F, heads=heads, d_head=e, seed=seed, dtype=np.float64)
+    V, O = np.asarray(split.W_v[0]), np.asarray(split.W_o[0])
     np.testing.assert_allclose(O @ V.reshape(heads * e, D), F, atol=1e-10)
     Oq = np.concatenate([O[:, g * e:(g + 1) * e] / group for g in range(heads) for _ in range(group)], axis=1)
     cfg = LayerConfig(d_model=D, n_heads=heads * group, n_kv_heads=heads, d_head=e, norm="l2")
@@ -193,15 +193,17 @@ eig_cplx = st.tuples(st.floats(-3.0, 3.0), st.floats(0.2, 2.0)).map(lambda t: co
 
 @SETTINGS
 @given(kind=st.sampled_from(["symmetric", "normal", "nonnormal"]), real=st.lists(eig_real, min_size=1, max_size=4),
-       cplx=st.lists(eig_cplx, max_size=2), pad=st.integers(0, 2), seed=st.integers(0, 2 ** 16))
-def test_spectrum_matrix_eigenvalues(kind, real, cplx, pad, seed):
+       cplx=st.lists(eig_cplx, max_size=2), seed=st.integers(0, 2 ** 16))
+def test_spectrum_matrix_eigenvalues(kind, real, cplx, seed):
     """spectrum_matrix has exactly the requested eigenvalues (complex entries as conjugate
-    pairs, zeros filling up to d); symmetric -> F = F^T; normal -> F F^T = F^T F."""
+    pairs, zeros filling up to d = 8: one compiled builder per kind); symmetric -> F = F^T;
+    normal -> F F^T = F^T F."""
     if kind == "symmetric":
         cplx = []
     eigs = real + cplx
-    d = len(real) + 2 * len(cplx) + pad
-    F = spectrum_matrix(eigs, kind=kind, d=d, rng=np.random.default_rng(seed), nonnormality=0.5)
+    d = 8
+    pad = d - len(real) - 2 * len(cplx)
+    F = spectrum_matrix(eigs, kind=kind, d=d, seed=seed, nonnormality=0.5)
     want = np.array(real + [z for c in cplx for z in (c, np.conj(c))] + [0.0] * pad, complex)
     got = np.linalg.eigvals(F)
     # match each requested eigenvalue greedily to its nearest computed one

@@ -179,9 +179,11 @@ def smollm2_folder(tmp_path_factory):
         pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
     gguf_tok = gguf_tokenizer(path)
     folder = tmp_path_factory.mktemp("smollm2_tokenizer")
-    gguf_tok.save_pretrained(folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"          # the saved class name is powerlens' own
+    gguf_tok.backend.save(str(folder / "tokenizer.json"))
+    token = gguf_tok.convert_ids_to_tokens
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              "bos_token": token(gguf_tok.bos_token_id), "eos_token": token(gguf_tok.eos_token_id),
+              "unk_token": token(gguf_tok.unk_token_id)}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder, gguf_tok
 

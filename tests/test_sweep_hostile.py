@@ -361,3 +361,18 @@ def test_unreadable_specs_are_one_line_naming_the_file(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^<dict>: nested too deeply"):
         load_spec({"grid": {"beta": [1.0]}, "system": nested})
     assert not (tmp_path / "out").exists()
+
+
+def test_the_rotation_series_is_kept_beside_the_rotation_column():
+    """Asking for the ``rotation`` series keeps both: the scalar ``rotation`` (the mean angle
+    step over the later half of the steps) and the per-step ``rotation_series``, whose later
+    half averages to it. For a normal F with the dominant pair lambda1 = 0.5 + 1j the tokens
+    rotate by arg(1 + lambda1) = atan2(1, 1.5) per step (design.md, the shifted ordering)."""
+    T = 40
+    df = sweep({"grid": {"beta": [1.0]}, "system": {"d": 4, "tokens": 4, "kind": "normal", "heads": 1,
+                                                      "spectrum": "0.5+1.0j,0.2", "init": "cone"},
+                "run": {"steps": T, "x64": True}, "measure": {"series": ["rotation", "gamma"]}}, progress=False)
+    series = np.asarray(df["rotation_series"].iloc[0], float)
+    assert series.shape == (T,) and len(df["gamma"].iloc[0]) == T
+    np.testing.assert_allclose(df["rotation"].iloc[0], series[T // 2:].mean(), rtol=1e-12)
+    np.testing.assert_allclose(df["rotation"].iloc[0], np.arctan2(1.0, 1.5), atol=1e-3)

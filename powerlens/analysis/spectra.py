@@ -272,10 +272,19 @@ def layer_spectra(F, *, group_rtol: float = GROUP_RTOL, factors=None) -> List[La
     return [_layer(i, f, group_rtol, None if factors is None else factors[i]) for i, f in enumerate(F)]
 
 
+def host_matrices(layers: Layers):
+    """(F, factors) of every unique layer on the host, what :func:`layer_spectra` takes: the
+    NumPy arrays of F "float[U d d]" (:func:`~powerlens.dynamics.params.layer_matrices`) and of
+    its factors A "float[U d r]", B "float[U r d]" (:func:`~powerlens.dynamics.params.layer_factors`).
+    After this, computing the spectra runs no JAX (so it may run in another thread)."""
+    return np.asarray(layer_matrices(layers)), tuple(np.asarray(m) for m in layer_factors(layers))
+
+
 def spectra_of(layers: Layers, *, group_rtol: float = GROUP_RTOL) -> List[LayerSpectrum]:
     """:func:`layer_spectra` of every unique layer of ``layers`` (float64 on the host), through
     the r x r factors of :func:`~powerlens.dynamics.params.layer_factors` where r < d."""
-    return layer_spectra(np.asarray(layer_matrices(layers)), group_rtol=group_rtol, factors=layer_factors(layers))
+    F, factors = host_matrices(layers)
+    return layer_spectra(F, group_rtol=group_rtol, factors=factors)
 
 
 def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:

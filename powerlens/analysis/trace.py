@@ -10,13 +10,14 @@ The Python twin of ``powerlens align`` and a researcher's activation cache in on
     tr.logits                       # "float[B n V]" (decoders), tr.next_logits "float[B V]"
 
 It is one :func:`powerlens.dynamics.run` (one ``lax.scan``, vmapped over the prompts) with
-the observers ``states``, ``alignment`` (against :func:`~powerlens.analysis.spectra.reference_subspaces`
-of the chosen ordering), ``consensus``, ``finite`` and, on request, ``attention_maps``; the
-logits are the LM head on its last state. Its gamma_t and rho_t are those of
-:func:`~powerlens.analysis.alignment.align_model` (the same pooling over prompts, weighted by
-valid tokens: :func:`~powerlens.dynamics.simulate.pooled`), and :attr:`Trace.measures` is the
-:class:`~powerlens.analysis.experiment.StepMeasures` that ``powerlens align`` writes to
-align.json for that ordering.
+the one bundle of a measured run, :func:`~powerlens.dynamics.observers.run_observers`
+(``alignment`` against :func:`~powerlens.analysis.spectra.reference_subspaces` of the chosen
+ordering, ``consensus``, ``finite``, ``final``, and ``states``) and, on request,
+``attention_maps`` as its extra; the logits are the LM head on its last state. Its gamma_t
+and rho_t are those of :func:`~powerlens.analysis.alignment.align_model` (the same pooling
+over prompts, weighted by valid tokens: :func:`~powerlens.dynamics.simulate.pooled`), and
+:attr:`Trace.measures` is the :class:`~powerlens.analysis.experiment.StepMeasures` that
+``powerlens align`` writes to align.json for that ordering.
 """
 from __future__ import annotations
 
@@ -29,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dynamics.inputs import check_batch
-from ..dynamics.observers import alignment, attention_maps, consensus, finite, rotation_planes, states
+from ..dynamics.observers import attention_maps, rotation_planes, run_observers
 from ..dynamics.projections import prepared_projections
 from ..dynamics.run import map_prompts, platform_of, prompt_chunk, run
-from ..dynamics.simulate import Trajectory, pooled
+from ..dynamics.simulate import pooled, trajectory
 from .alignment import model_spectra, resolve_rule
 from .experiment import NonFiniteStateError, StepMeasures, first_non_finite, step_measures
 from .spectra import LayerSpectrum, check_order, reference_subspaces
@@ -123,15 +124,14 @@ class Trace:
 @functools.partial(jax.jit, static_argnames=("rule", "keep_bias", "maps", "chunk"))
 def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, keep_bias, maps, chunk):
     """The observers of one run per prompt, states and attention maps steps-first."""
+    observers = run_observers(subspaces, planes=planes, save_states=True,
+                              extras={"attention": attention_maps(layers, rule=rule)} if maps else None)
+
     def one(x, v):
-        observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(),
-                     "finite": finite(), "states": states()}
-        if maps:
-            observers["attention"] = attention_maps(layers, rule=rule)
         return run(layers, x, v, rule=rule, attention="softmax", observers=observers, keep_bias=keep_bias,
                    projections=projections)
 
-    out_axes = {"alignment": 0, "consensus": 0, "finite": 0, "states": 1, **({"attention": 1} if maps else {})}
+    out_axes = {name: int(name in ("states", "attention")) for name in observers}
     return map_prompts(one, X0, valid, chunk, out_axes=out_axes)
 
 
@@ -172,16 +172,13 @@ def trace(model, prompts: Sequence, *, rule: str = "full", order: str = "shifted
     out = _trace_batch(layers, X0, valid, subs, prepared_projections(layers, "softmax"),
                        rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
                        chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
-    a, c = out["alignment"], out["consensus"]
-    traj = Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
-                      consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
-                      finite=out["finite"], n_valid=jnp.sum(valid, axis=1), final=None, references=subs.names)
-    metrics = pooled(traj)
+    all_states = out.pop("states")          # steps-first "float[T+1 B n d]": the Trace's own
+    metrics = pooled(trajectory(out, valid, subs.names))
     schedule = np.asarray(layers.schedule.array(0, len(layers.schedule)), np.int64)
     bad = first_non_finite(metrics, np.asarray(subs.dim)[schedule] > 0)
     if bad is not None:
         raise NonFiniteStateError(bad[0], len(schedule), r, layers.W_v.dtype, state=bad[1])
     decoder = bool(model.info is not None and model.info.decoder)
-    return Trace(rule=r, order=order, ids=ids, valid=valid, layer=schedule, states=out["states"],
-                 attention=out.get("attention"), logits=model_logits(model, out["states"][-1]) if decoder else None,
+    return Trace(rule=r, order=order, ids=ids, valid=valid, layer=schedule, states=all_states,
+                 attention=out.get("attention"), logits=model_logits(model, out["final"]) if decoder else None,
                  measures=step_measures(metrics, schedule, subs, layers.config.d_model), spectra=spectra)

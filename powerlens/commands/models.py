@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import os
-from typing import List
+import threading
+from typing import Callable, List
 
 from .. import io
-from ..analysis import plots
 from ..analysis.alignment import align_model, model_spectra
-from ..analysis.spectra import ORDERS, spectra_json
+from ..analysis.spectra import ORDERS, host_matrices, layer_spectra, spectra_json
 from ..dynamics.params import check_steps
 from . import budget
 from .simulate import settings_of
@@ -56,7 +56,33 @@ def layers_json(model, spectra) -> list:
     return out
 
 
+class InBackground:
+    """``fn(*args, **kwargs)`` started in a daemon thread at once; :meth:`result` waits for it and
+    returns its value, or raises its exception. For NumPy work that spends its time in LAPACK,
+    which releases the GIL, so that it runs beside the caller's Python on another core. ``fn``
+    must not call JAX: a daemon thread is stopped where it stands when the process exits (an
+    error or an interrupt in the caller exits at once), which NumPy survives and XLA does not."""
+
+    def __init__(self, fn: Callable, *args, **kwargs):
+        self._outcome: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, args, kwargs) -> None:
+        try:
+            self._outcome["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001  (raised again in the caller's thread by result())
+            self._outcome["error"] = exc
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
+
+
 def cmd_spectrum_model(args) -> int:
+    from ..analysis import plots
     from ..models import load
     model = load(args.model, allow_download=getattr(args, "allow_download", False))
     budget.check(budget.spectra_estimate(model.layers.n_unique, model.layers.config.d_model))
@@ -84,13 +110,19 @@ def cmd_align(args) -> int:
     model = load(args.model, allow_download=getattr(args, "allow_download", False))
     layers = model.layers
     budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
+    # the spectra (spectra_of, split where JAX ends) are computed on another core while this
+    # thread embeds the prompts and imports the figure's modules: LAPACK releases the GIL
+    F, factors = host_matrices(layers)
+    spectra = InBackground(layer_spectra, F, factors=factors)
     x0, valid = embed(model, texts)
     steps = len(layers.schedule) if args.steps is None else args.steps
     budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=steps, batch=x0.shape[0], tokens=x0.shape[1],
                                      orders=len(ORDERS)))
+    from ..analysis import plots  # noqa: F401  (imported here, beside the spectra; result.plot draws with it)
+    versions = io.versions()
     result = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
-                         seed=args.seed, progress=not args.quiet, x0=x0, valid=valid)
-    doc = {"settings": {**settings_of(args), "versions": io.versions()}, **result.to_json(),
+                         seed=args.seed, progress=not args.quiet, x0=x0, valid=valid, spectra=spectra.result())
+    doc = {"settings": {**settings_of(args), "versions": versions}, **result.to_json(),
            "layers": layers_json(model, result.spectra)}
     with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "align.json"), doc)

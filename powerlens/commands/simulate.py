@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from .. import io
-from ..analysis import plots
 from ..analysis.experiment import NonFiniteStateError, plot_measures, rows_csv, run_system
 from ..analysis.spectra import spectra_json, spectra_of
 from . import budget
@@ -20,6 +17,7 @@ def settings_of(args) -> dict:
 
 def write_run_figures(stage: str, res, *, title: str = "") -> list:
     """eigenvalues.png, alignment.png, consensus.png and trajectories.png of a run."""
+    from ..analysis import plots
     m = res.measures
     files = [plots.plot_eigenvalues(res.spectra, os.path.join(stage, "eigenvalues.png"), title=title or None)]
     files.append(plot_measures({res.order: m}, os.path.join(stage, "alignment.png"), over="steps",
@@ -80,6 +78,7 @@ def cmd_spectrum_weights(args) -> int:
     budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
     spectra = spectra_of(layers)
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "layers": spectra_json(spectra)}
+    from ..analysis import plots
     with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"))

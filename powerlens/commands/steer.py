@@ -27,6 +27,12 @@ NEUTRAL = ["The weather was mild and the streets were quiet.",
            "Trains leave the station every twenty minutes."]
 
 
+def check_steps(args) -> None:
+    """``--steps``: None (the optimiser's default) or a positive integer."""
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+
+
 def _system(args):
     """(layers, model or None, x0 (B, n, d), valid (B, n), texts)."""
     if args.model and args.weights:
@@ -78,6 +84,9 @@ def cmd_steer(args) -> int:
     from ..steering import layer_w_choice, minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
     from ..steering.alpha import check_target
     from ..steering.rank1 import check_alpha
+    check_steps(args)
+    if args.steps is not None and not args.optimize:
+        raise ValueError("--steps sets the Adam steps of --optimize; give --optimize too")
     layers, model, x0, valid, texts = _system(args)
     budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=len(layers.schedule), batch=x0.shape[0],
                                      tokens=x0.shape[1], gradients=args.optimize))
@@ -94,7 +103,7 @@ def cmd_steer(args) -> int:
            "w": w, "w_choice": choice.to_json()}
     if args.optimize:
         opt = optimize_steering(layers, x0, u, valid=valid, target=target, reduce="min", param="lowrank",
-                                rank=args.rank, w=w, seed=args.seed, signed=False)
+                                rank=args.rank, w=w, seed=args.seed, signed=False, steps=args.steps)
         if not opt.feasible[0]:
             raise ValueError(f"--optimize found no change of rank <= {args.rank} reaching alignment {target} "
                              f"(the closed-form start reached {float(opt.closed_alignment[0]):.3g}); "

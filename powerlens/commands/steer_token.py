@@ -8,7 +8,8 @@ forward pass (rule ``full``, :mod:`powerlens.steering.compare`):
     closed_form_token_alpha   the same ray, alpha chosen so that every prompt reaches ``--target-prob``
     gradient                  a learned dO of rank <= ``--rank``: min ||dO||_F subject to
                               p(token) >= ``--target-prob`` at every prompt and mean control
-                              KL <= ``--max-kl`` (optax, augmented Lagrangian)
+                              KL <= ``--max-kl`` (optax, augmented Lagrangian, ``--steps``
+                              Adam steps, default 300)
     activation_addition       the same problem over a vector v added to the layer's output
 
 The folder gets steer.json (``effects.conditions.<method>``), delta_O.npy (the learned dO,
@@ -24,6 +25,7 @@ import numpy as np
 from .. import io
 from . import budget
 from .simulate import settings_of
+from .steer import check_steps
 
 FRONTIER_LEVELS = (0.1, 0.3, 0.5, 0.9)
 DEFAULT_PARAPHRASES = {
@@ -59,6 +61,7 @@ def _check(args):
         raise ValueError(f"--max-kl must be a finite number > 0, got {args.max_kl}")
     if args.rank < 1:
         raise ValueError(f"--rank must be a positive integer, got {args.rank}")
+    check_steps(args)
     if not args.direction.startswith("token:"):
         raise ValueError(f"--objective token needs --direction token:WORD (the target token), got {args.direction!r}")
 
@@ -89,7 +92,7 @@ def cmd_steer_token(args) -> int:
     levels = sorted(set(FRONTIER_LEVELS) | {float(args.target_prob)})
     main = levels.index(float(args.target_prob))
     common = dict(objective="token", valid=valid, layer=l, target_prob=levels, max_kl=args.max_kl,
-                  controls=controls, seed=args.seed, w=choice.kind)
+                  controls=controls, seed=args.seed, w=choice.kind, steps=args.steps)
     grad = optimize_steering(model, x0, [tid] * len(levels), param="lowrank", rank=args.rank, **common)
     act = optimize_steering(model, x0, [tid] * len(levels), param="activation", **common)
     if not grad.feasible[main]:

@@ -128,14 +128,25 @@ def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "pap
     if rule == "pre_ln":
         return X + _post(lp, attention_output(lp, _norm(lp, X, "norm"), valid, **kw), "post_attn_norm")
     # full
+    return full_block(lp, X, attention_output(lp, full_attention_input(lp, X), valid, **kw))
+
+
+def full_attention_input(lp: Layer, X: "float[... d]") -> "float[... d]":
+    """What rule ``full``'s attention reads: X (post norm) or LN1 X (pre norm)."""
+    return X if lp.config.norm_placement == "post" else _norm(lp, X, "norm")
+
+
+def full_block(lp: Layer, X: "float[... d]", attn: "float[... d]") -> "float[... d]":
+    """Rule ``full``'s block token by token, given its attention output attn = attn(X) (post
+    norm) or attn(LN1 X) (pre norm; see :func:`layer_step`): residuals, norms and FFN, any
+    leading axes (the steering objectives evaluate it at a prompt's last token only)."""
     if lp.config.norm_placement == "post":
-        h = _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
+        h = _norm(lp, X + attn, "norm")
         return _norm(lp, h + ffn(lp, h), "ffn_norm")
-    Xn = _norm(lp, X, "norm")
     if lp.config.parallel_residual:     # GPT-NeoX / Phi: both sub-layers read X
-        Xf = Xn if lp.ffn_norm_scale is None else _norm(lp, X, "ffn_norm")
-        return X + attention_output(lp, Xn, valid, **kw) + ffn(lp, Xf)
-    h = X + _post(lp, attention_output(lp, Xn, valid, **kw), "post_attn_norm")
+        Xf = _norm(lp, X, "norm" if lp.ffn_norm_scale is None else "ffn_norm")
+        return X + attn + ffn(lp, Xf)
+    h = X + _post(lp, attn, "post_attn_norm")
     return h + _post(lp, ffn(lp, _norm(lp, h, "ffn_norm")), "post_ffn_norm")
 
 

@@ -26,6 +26,12 @@ with ``measure_after``: for small states, one vectorised measure of all T+1 stat
     final()                the last state "float[n d]"
     attention_maps(layers, rule=...)  each step's attention weights per head "float[T H n n]"
                            (O(T H n^2) memory: ask for it only when you need the patterns)
+    mean_tangent(basis)    tan of the angle of the valid tokens' mean to span(basis) "float[T+1]"
+    plane_angle(basis)     each token's angle in the plane of basis[:, :2] "float[T+1 n]"
+
+A measured run asks for one bundle, :func:`run_observers`: alignment, consensus, finite and
+final (states on request), plus the caller's extras; ``simulate``, the sweep's per-system
+measure and ``trace`` all run it.
 
 Measures of a *state* (consensus, states) include the initial state at index 0, so they
 have T+1 entries; measures of a *step* (alignment) have T.
@@ -36,7 +42,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from . import struct
 
 from .attention import _softmax_qkv, check_attention, key_bias, uniform_weights
 from .cache import per_arrays
@@ -275,6 +281,63 @@ def final() -> Observer:
                     update=lambda last, X, Y, step: (Y, None),
                     finish=lambda last, outs: last,
                     of_states=lambda S, valid, layers, schedule: S[-1])
+
+
+# ------------------------------------------------------------------------ tangents
+
+def _mean_tangent(basis: "float[d k]") -> Callable:
+    """tan of the angle between the valid tokens' mean m and span(basis) (orthonormal columns,
+    zero-padded): ||m - B B^T m|| / ||B^T m|| (a ||B^T m|| of 0 is read as the smallest normal
+    float, so m orthogonal to the span gives a finite, huge tangent)."""
+    def tan(X, valid):
+        w = valid.astype(X.dtype)
+        m = jnp.sum(X * w[:, None], axis=0) / jnp.maximum(jnp.sum(w), 1.0)
+        c = m @ basis
+        perp = jnp.linalg.norm(m - basis @ c)
+        return perp / jnp.maximum(jnp.linalg.norm(c), jnp.finfo(X.dtype).tiny)
+    return tan
+
+
+def mean_tangent(basis: "float[d k]") -> Observer:
+    """tan of the angle between the valid tokens' mean and span(basis), for every state x_0 .. x_T:
+    "float[T+1]" (0 when the mean lies in the span; ``basis`` orthonormal, zero-padded columns)."""
+    return per_state(_mean_tangent(basis))
+
+
+def plane_angle(basis: "float[d k]") -> Observer:
+    """Each token's angle atan2(x . b_1, x . b_0) in the plane of the first two columns of
+    ``basis``, for every state x_0 .. x_T: "float[T+1 n]" (k >= 2)."""
+    return per_state(lambda X, valid: jnp.arctan2(X @ basis[:, 1], X @ basis[:, 0]))
+
+
+# ------------------------------------------------------------------------ the measured run
+
+def run_observers(subspaces: Subspaces, *, planes: "bool[U] | None" = None, save_states: bool = False,
+                  extras: Optional[Dict[str, Observer]] = None) -> Dict[str, Observer]:
+    """The observers of one measured run, for :func:`~powerlens.dynamics.run`'s ``observers``:
+
+        alignment  :func:`alignment` (subspaces, planes=planes)  -> :class:`Alignment` "float[T m]"
+        consensus  :func:`consensus`                              -> Consensus "float[T+1]"
+        finite     :func:`finite`                                 -> "bool[T+1]"
+        final      :func:`final`                                  -> "float[n d]"
+        states     :func:`states`, when ``save_states``           -> "float[T+1 n d]"
+
+    then ``extras`` (name -> Observer, e.g. ``{"direction_tan": mean_tangent(basis)}``), in that
+    order. ``planes``: :func:`rotation_planes` of ``subspaces`` and the layers run, when computed
+    already. An extra named like one of the bundle's observers is a ValueError."""
+    extras = dict(extras or {})
+    for name in extras:
+        if name in BUNDLE:
+            raise ValueError(f"run_observers: extra observer {name!r} is a name of the bundle {BUNDLE}")
+    observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(), "finite": finite(),
+                 "final": final()}
+    if save_states:
+        observers["states"] = states()
+    return {**observers, **extras}
+
+
+BUNDLE = ("alignment", "consensus", "finite", "final", "states")
+"""The names of :func:`run_observers`' own observers (states only with ``save_states``)."""
 
 
 # ------------------------------------------------------------------------ attention weights

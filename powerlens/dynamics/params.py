@@ -38,7 +38,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from . import struct
 
 from .schedule import Schedule
 

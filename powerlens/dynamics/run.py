@@ -90,8 +90,7 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         valid = jnp.ones(x0.shape[:1], bool)
         inert = lambda X: X                          # no padding
     else:
-        pad_row = jnp.zeros(x0.shape[-1], x0.dtype).at[0].set(1)
-        inert = lambda X: jnp.where(valid[:, None], X, pad_row)
+        inert = lambda X: inert_padding(X, valid)
     x0 = inert(x0)
     static = layers.schedule if schedule is None else None
     if static is not None and static.arithmetic:      # layer of step t = start + stride * t
@@ -129,6 +128,12 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         return out
     layer_of_step = xs if xs is not None else jnp.arange(length, dtype=jnp.int32) * static.stride + static.start
     return {name: ob.of_states(out["states"], valid, layers, layer_of_step) for name, ob in measured.items()}
+
+
+def inert_padding(X: "float[... n d]", valid: "bool[... n]") -> "float[... n d]":
+    """X with each padding token replaced by the unit row e_0: finite and non-zero, so that a
+    norm of it stays finite (attention gives it no weight, and NaN times zero weight is NaN)."""
+    return jnp.where(valid[..., None], X, jnp.zeros(X.shape[-1], X.dtype).at[0].set(1))
 
 
 def _checked(layers: Layers, x0, valid, schedule):

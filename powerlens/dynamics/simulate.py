@@ -2,8 +2,9 @@
 
 ``simulate`` is written for one prompt x0 "float[n d]" and one system; batch prompts and
 sweep systems with ``vmap`` (``simulate_batch`` does the former, validated and jitted).
-It runs the observers ``alignment(subspaces)``, ``consensus()``, ``finite()``, ``final()``
-(and ``states()`` with ``save_states``) and packs their results into a :class:`Trajectory`.
+It runs the one bundle of a measured run,
+:func:`~powerlens.dynamics.observers.run_observers` (alignment, consensus, finite, final, and
+states with ``save_states``), and packs its results into a :class:`Trajectory` (:func:`trajectory`).
 Memory is O(T) scalars unless ``save_states`` keeps the "float[T+1 n d]" states.
 """
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from . import struct
 
 from .attention import check_attention
 from .inputs import check_batch, check_schedule, check_tokens  # noqa: F401  (check_tokens: public here too)
 from .layer import check_rule
-from .observers import alignment, consensus, final, finite, rotation_planes, states
+from .observers import rotation_planes, run_observers
 from .projections import prepared_projections
 from .run import map_prompts, measure_after_pays, platform_of, prompt_chunk, run
 from .subspaces import REFERENCES, Subspaces, reference_index
@@ -86,17 +87,21 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    observers = {"alignment": alignment(subspaces, planes=planes), "consensus": consensus(), "finite": finite(),
-                 "final": final()}
-    if save_states:
-        observers["states"] = states()
-    out = run(layers, x0, valid, rule=rule, attention=attention, observers=observers, keep_bias=keep_bias,
+    out = run(layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+              observers=run_observers(subspaces, planes=planes, save_states=save_states),
               positions=positions, schedule=schedule, projections=projections, measure_after=measure_after)
+    return trajectory(out, valid, subspaces.names)
+
+
+def trajectory(out: dict, valid: "bool[... n]", references: Tuple[str, ...]) -> Trajectory:
+    """The :class:`Trajectory` of the results ``out`` of
+    :func:`~powerlens.dynamics.observers.run_observers` (one prompt, or a batch with a leading
+    axis on every result and on ``valid``); ``states`` when ``out`` has them, else None."""
     a, c = out["alignment"], out["consensus"]
     return Trajectory(gamma=a.gamma, gamma_before=a.gamma_before, rho=a.rho, rotation=a.rotation,
                       consensus=c.consensus, rank_collapse=c.rank_collapse, pairwise_cos=c.pairwise_cos,
-                      n_valid=jnp.sum(valid), final=out["final"], states=out.get("states"),
-                      finite=out["finite"], references=subspaces.names)
+                      n_valid=jnp.sum(valid, axis=-1), final=out["final"], states=out.get("states"),
+                      finite=out["finite"], references=references)
 
 
 _STATIC = ("rule", "attention", "keep_bias", "save_states", "measure_after")

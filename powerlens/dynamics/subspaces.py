@@ -20,7 +20,7 @@ from typing import Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from . import struct
 
 REFERENCES = ("principal", "random", "other_layer")
 

@@ -1,22 +1,22 @@
-"""Synthetic systems with a prescribed spectrum.
+"""Synthetic systems with a prescribed spectrum: one builder.
 
     F = Q D Q^T               kind="symmetric"   (real spectrum only)
     F = Q blockdiag(D) Q^T    kind="normal"      complex pairs a +- bj as [[a, b], [-b, a]]
     F = S blockdiag(D) S^-1   kind="nonnormal"   S = I + s G / sqrt(d), G Gaussian
 
-Q is Haar-random orthogonal (:func:`powerlens.dynamics.linalg.haar`). ``F`` is split into H
+Q is Haar-random orthogonal (:func:`powerlens.dynamics.linalg.haar_q`). ``F`` is split into H
 heads of size e, F = sum_h O_h V_h, by drawing V_cat (H e, d) Gaussian and setting
-W_o = F V_cat^+ (the head-split rule, design.md §1: H e >= d, so that a Gaussian V_cat has
-full column rank and V_cat^+ V_cat = I; with H e = d, V_cat^+ = V_cat^-1). Queries and keys
-are Gaussian with scale beta / sqrt(e): beta is the inverse temperature.
+W_o = F V_cat^+ (the head-split rule, :func:`head_split`: H e >= d, so that a Gaussian V_cat
+has full column rank and V_cat^+ V_cat = I; with H e = d, V_cat^+ = V_cat^-1; fewer head
+dimensions than d are refused). The head size defaults to e = ceil(d / H) (H e = d when H
+divides d). Queries and keys are Gaussian with scale beta / sqrt(e): beta is the inverse
+temperature.
 
-Two entry points build such a system:
-
-* :func:`synthetic` -- pure ``jnp``, from a seed and the grid values alone (jit and vmap it):
-  the builder of every synthetic sweep row, which returns the system with its spectral facts
-  (the spectrum in both orderings, the eigen-groups, the oriented principal plane, the
-  initial tokens);
-* :func:`synthetic_system` -- host NumPy from a ``numpy`` seed, for a given spectrum list or F.
+One builder, :func:`synthetic`, pure ``jnp`` from a seed and the grid values alone (jit and
+vmap it): the builder of every synthetic sweep row, which returns the system with its
+spectral facts (the spectrum in both orderings, the eigen-groups, the oriented principal
+plane, the initial tokens). :func:`synthetic_system` is that function jitted, for a given
+spectrum list or F, its facts fetched to the host; :func:`spectrum_matrix` is its F.
 
 Initial tokens (:func:`sphere`, :func:`cone`, :func:`bipartite`) are one formula each on
 given normal draws, NumPy or ``jnp``; ``sphere_tokens`` and friends draw them with a
@@ -25,17 +25,18 @@ given normal draws, NumPy or ``jnp``; ``sphere_tokens`` and friends draw them wi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .linalg import array_module, gram_schmidt, group_size, haar, haar_q, orient_plane, solve
-from .params import LayerConfig, Layers, check_steps, make_layers
+from .linalg import array_module, gram_schmidt, group_size, haar_q, orient_plane, solve
+from .params import LayerConfig, Layers, check_steps
 from .schedule import Schedule
 
 KINDS = ("symmetric", "normal", "nonnormal")
+INITS = ("sphere", "cone", "bipartite")
 
 
 def parse_spectrum(text: str) -> List[complex]:
@@ -59,86 +60,33 @@ def _size(eigs: Sequence[complex]) -> int:
     return sum(2 if abs(z.imag) > 0 else 1 for z in eigs)
 
 
-def _blocks(eigs: Sequence[complex], d: int) -> np.ndarray:
-    D = np.zeros((d, d))
-    i = 0
-    for z in eigs:
-        if abs(z.imag) > 0:
-            D[i:i + 2, i:i + 2] = [[z.real, abs(z.imag)], [-abs(z.imag), z.real]]
-            i += 2
-        else:
-            D[i, i] = z.real
-            i += 1
-    return D
-
-
-def haar_orthogonal(rng: np.random.Generator, d: int) -> np.ndarray:
-    """A Haar-random orthogonal (d, d) matrix drawn with ``rng``."""
-    return haar(rng.standard_normal((d, d)))
-
-
-def spectrum_matrix(eigenvalues: Iterable[complex], *, kind: str = "symmetric", d: Optional[int] = None,
-                    rng: Optional[np.random.Generator] = None, nonnormality: float = 1.0) -> np.ndarray:
-    """A real (d, d) matrix with the given eigenvalues (zeros fill up to d)."""
-    eigs = [complex(z) for z in eigenvalues]
+def check_spectrum(eigs: Sequence[complex], kind: str, d: Optional[int] = None) -> int:
+    """The width d (default: the spectrum's size; complex entries count twice) after checking
+    that ``kind`` is known, the spectrum is non-empty and finite, fits d, and is real for
+    ``kind="symmetric"``: each a one-line ValueError."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
     if not eigs:
         raise ValueError("spectrum is empty")
+    if not all(np.isfinite(z.real) and np.isfinite(z.imag) for z in eigs):
+        raise ValueError(f"spectrum {list(eigs)} is not finite")
     need = _size(eigs)
     d = need if d is None else int(d)
     if d < need:
         raise ValueError(f"spectrum needs dimension >= {need} (complex entries count twice), got d={d}")
     if kind == "symmetric" and any(abs(z.imag) > 0 for z in eigs):
         raise ValueError("kind 'symmetric' needs a real spectrum; use 'normal' or 'nonnormal' for complex pairs")
-    rng = np.random.default_rng(0) if rng is None else rng
-    D = _blocks(eigs, d)
-    if kind in ("symmetric", "normal"):
-        Q = haar_orthogonal(rng, d)
-        return Q @ D @ Q.T
-    S = np.eye(d) + nonnormality * rng.standard_normal((d, d)) / np.sqrt(d)
-    return S @ D @ np.linalg.inv(S)
+    return d
 
 
-def split_heads(F: np.ndarray, n_heads: int, rng: np.random.Generator, d_head: Optional[int] = None):
-    """W_v (H, e, d) and W_o (d, H e) with W_o @ concat_h(W_vh) = F exactly (to rounding)."""
-    d = F.shape[0]
-    e = int(d_head) if d_head is not None else -(-d // n_heads)
-    if n_heads * e < d:
-        raise ValueError(f"{n_heads} heads of size {e} cannot carry a rank-{d} F (need H*d_head >= d)")
-    V = rng.standard_normal((n_heads * e, d)) / np.sqrt(d)
-    W_o = F @ np.linalg.pinv(V)
-    return V.reshape(n_heads, e, d), W_o
-
-
-def random_queries_keys(rng: np.random.Generator, d: int, n_heads: int, d_head: int):
-    """Gaussian W_q, W_k (H, e, d): for unit tokens q.k has unit variance per coordinate."""
-    return rng.standard_normal((2, n_heads, d_head, d))
-
-
-def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, beta: float = 1.0,
-                     d: Optional[int] = None, seed: int = 0, steps: Optional[int] = None,
-                     d_head: Optional[int] = None, F: Optional[np.ndarray] = None,
-                     dtype=np.float32) -> Layers:
-    """A one-layer (shared-weight) system with F of the given spectrum.
-
-    ``steps`` sets the schedule to that layer repeated ``steps`` times (``Schedule.repeat``).
-    """
-    if heads <= 0:
-        raise ValueError(f"heads must be positive, got {heads}")
-    if not np.isfinite(beta):
-        raise ValueError(f"beta must be finite, got {beta}")
-    rng = np.random.default_rng(seed)
-    if F is None:
-        F = spectrum_matrix(eigenvalues, kind=kind, d=d, rng=rng)
-    d = F.shape[0]
-    W_v, W_o = split_heads(F, heads, rng, d_head)
-    e = W_v.shape[1]
-    W_q, W_k = random_queries_keys(rng, d, heads, e)
-    cfg = LayerConfig(d_model=d, n_heads=heads, d_head=e, norm="l2",
-                      schedule=None if steps is None else Schedule.repeat(0, check_steps(steps)))
-    return make_layers(W_v[None].astype(dtype), W_o[None].astype(dtype), W_q=W_q[None].astype(dtype),
-                       W_k=W_k[None].astype(dtype), scale=beta / np.sqrt(e), config=cfg)
+def spectrum_slots(eigs: Sequence[complex], d: int) -> np.ndarray:
+    """The eigenvalue of every slot of D, "float64[d 2]" (re, im): a real entry one slot, a
+    complex entry a +- bj two consecutive slots (a, |b|), (a, -|b|), zeros fill up to d (the
+    layout of ``facts["eigenvalues"]`` of :func:`synthetic`)."""
+    out = []
+    for z in eigs:
+        out += [(z.real, abs(z.imag)), (z.real, -abs(z.imag))] if z.imag else [(z.real, 0.0)]
+    return np.array(out + [(0.0, 0.0)] * (d - len(out)), np.float64).reshape(d, 2)
 
 
 # --------------------------------------------------------------------- initial tokens
@@ -198,11 +146,18 @@ def bipartite_tokens(rng: np.random.Generator, n: int, v: np.ndarray, *, noise: 
 class SyntheticConfig:
     """The static shape of a synthetic system (hashable: jit treats it as static).
 
-    d, tokens, heads: width, number of tokens, heads (head size e = d // heads, H e = d);
-    kind: one of :data:`KINDS`; spectrum: a spectrum text (:func:`parse_spectrum`, zeros fill up
-    to d) or ``"random"`` (drawn from the ranges ``top``, ``rest``, ``imag`` and the chance
-    ``pair``); init: ``"sphere"``, ``"cone"`` or ``"bipartite"``; steps: T, the shared layer's
-    repeats; order: ``"shifted"`` or ``"plain"``, the ordering of ``facts["principal"]``.
+    d, tokens, heads: width, number of tokens, heads; d_head: the head size e (default
+    ceil(d / heads), so H e = d when heads divide d; H e >= d is required, the head-split rule
+    of :func:`head_split`); kind: one of :data:`KINDS`; spectrum: where the eigenvalues come from,
+
+        a spectrum text  (:func:`parse_spectrum`, zeros fill up to d): static, compiled in
+        "random"         drawn from the ranges ``values["top"]``, ``rest``, ``imag`` and the chance ``pair``
+        "eigenvalues"    ``values["eigenvalues"]`` "float[d 2]", the slots of :func:`spectrum_slots`
+                         (dynamic: one compiled program serves every spectrum of a shape)
+        "given"          F itself, ``values["F"]`` "float[d d]" (no Q or S: the spectral facts are NaN)
+
+    init: one of :data:`INITS`; steps: T, the shared layer's repeats; order: ``"shifted"`` or
+    ``"plain"``, the ordering of ``facts["principal"]``; x64: float64 arrays.
     """
 
     d: int
@@ -214,6 +169,31 @@ class SyntheticConfig:
     steps: int = 1
     order: str = "shifted"
     x64: bool = False
+    d_head: Optional[int] = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}; expected one of {KINDS}")
+        if not isinstance(self.heads, (int, np.integer)) or self.heads <= 0:
+            raise ValueError(f"heads must be positive, got {self.heads}")
+        if self.d <= 0 or self.tokens <= 0:
+            raise ValueError(f"d and tokens must be positive, got d={self.d}, tokens={self.tokens}")
+        if self.d_head is not None and self.d_head <= 0:
+            raise ValueError(f"d_head must be positive, got {self.d_head}")
+        if self.heads * self.e < self.d:
+            raise ValueError(f"{self.heads} heads of size {self.e} cannot carry a rank-{self.d} F "
+                             f"(need H*d_head >= d)")
+        if self.init not in INITS:
+            raise ValueError(f"unknown init {self.init!r}; expected one of {INITS}")
+        if self.spectrum == "given" and self.init == "bipartite":
+            raise ValueError("init 'bipartite' needs the principal direction, unknown for a given F")
+        if self.spectrum not in ("random", "eigenvalues", "given"):
+            check_spectrum(parse_spectrum(self.spectrum), self.kind, self.d)
+
+    @property
+    def e(self) -> int:
+        """The head size: ``d_head``, or ceil(d / heads)."""
+        return int(self.d_head) if self.d_head is not None else -(-self.d // self.heads)
 
     @property
     def dtype(self):
@@ -233,22 +213,16 @@ def _draws(key, shapes: Dict[str, Tuple[int, ...]], dt, sampler):
 
 def _slots(u, p, cfg: SyntheticConfig, dt):
     """The eigenvalue of every slot of D: (re, im, pair_start) "float[d]" x2, "bool[d]";
-    ``u`` "float[d+3]" uniform draws for a random spectrum."""
+    ``u`` "float[d+3]" uniform draws for a random spectrum. A pair a +- bj fills two
+    consecutive slots (a, |b|), (a, -|b|) and starts at the first (:func:`spectrum_slots`)."""
     d = cfg.d
+    if cfg.spectrum == "given":
+        nan = jnp.full(d, jnp.nan, dt)
+        return nan, nan, jnp.zeros(d, bool)
     if cfg.spectrum != "random":
-        re, im, start = [], [], []
-        for z in parse_spectrum(cfg.spectrum):
-            if z.imag:
-                re += [z.real, z.real]
-                im += [abs(z.imag), -abs(z.imag)]
-                start += [True, False]
-            else:
-                re.append(z.real)
-                im.append(0.0)
-                start.append(False)
-        pad = d - len(re)
-        return (jnp.asarray(re + [0.0] * pad, dt), jnp.asarray(im + [0.0] * pad, dt),
-                jnp.asarray(start + [False] * pad))
+        slots = (jnp.asarray(spectrum_slots(parse_spectrum(cfg.spectrum), d), dt) if cfg.spectrum != "eigenvalues"
+                 else jnp.asarray(p["eigenvalues"], dt))
+        return slots[:, 0], slots[:, 1], slots[:, 1] > 0
     lo_hi = lambda r, x: r[0] + (r[1] - r[0]) * x
     top = lo_hi(p["top"], u[0])
     rest = lo_hi(p["rest"], u[3:])
@@ -314,7 +288,8 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     Args:
       seed: the system's seed (a sweep row's ``seed``).
       values: the dynamic values ``beta``, ``nonnormality``, ``cone``, ``noise`` (scalars) and,
-        for ``spectrum = "random"``, ``top``, ``rest``, ``imag`` ("float[2]" ranges) and ``pair``.
+        for ``spectrum = "random"``, ``top``, ``rest``, ``imag`` ("float[2]" ranges) and ``pair``;
+        for ``"eigenvalues"``, ``eigenvalues`` "float[d 2]"; for ``"given"``, ``F`` "float[d d]".
       cfg: the static shape (:class:`SyntheticConfig`).
 
     Returns:
@@ -334,12 +309,16 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
         v1             "float[d]"    the principal direction where it is one real direction, else 0
         x0             "float[n d]"  the initial tokens (``cfg.init``)
         x0_exact       "float[n d]"  the exact bipartite start +-v1 (None unless init is bipartite)
+        F              "float[d d]"  the layer matrix the heads carry (W_o V_cat = F to rounding)
 
-      The spectrum is known by construction: no ``eig`` is taken.
+      The spectrum is known by construction: no ``eig`` is taken. For ``spectrum = "given"`` it
+      is not known: eigenvalues, lam, lam_plain, direction, principal, top2 and v1 are NaN, the
+      dims 0 (take F's spectrum on the host, e.g. with
+      :func:`powerlens.analysis.spectra.spectra_of` of the layers).
     """
     dt = cfg.dtype
     d, H, n = cfg.d, cfg.heads, cfg.tokens
-    e = d // H
+    e = cfg.e
     k1, k2 = min(d, 2), min(d, 4)
     k_normal, k_uniform = jax.random.split(jax.random.key(seed))
     z = _draws(k_normal, {"basis": (d, d), "value": (H * e, d), "qk": (2, H, e, d), "random": (d, k1),
@@ -348,7 +327,10 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     re, im, start = _slots(u["spectrum"], values, cfg, dt)
     sup = jnp.where(start[:-1], jnp.abs(im[:-1]), 0.0)
     D = jnp.diag(re) + jnp.diag(sup, 1) - jnp.diag(sup, -1)
-    if cfg.kind == "nonnormal":
+    if cfg.spectrum == "given":
+        F = jnp.asarray(values["F"], dt)
+        E = jnp.full((d, d), jnp.nan, dt)                           # no Q or S: the spectral facts are NaN
+    elif cfg.kind == "nonnormal":
         E = jnp.eye(d, dtype=dt) + values["nonnormality"] * z["basis"] / np.sqrt(d)
         X, singular = solve(E.T, (E @ D).T)
         F = jnp.where(singular, jnp.nan, X.T)                       # S D S^-1 (NaN: E singular)
@@ -365,7 +347,7 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
 
     order, dim1, dim2, lam = eigen_groups(re, im, jnp.hypot(1.0 + re, im))
     porder, dim_plain, _, lam_plain = eigen_groups(re, im, jnp.hypot(re, im))
-    orth = cfg.kind != "nonnormal"
+    orth = cfg.kind != "nonnormal" or cfg.spectrum == "given"
     B = _basis(E, order[:k1], jnp.arange(k1) < dim1, orth)
     if k1 == 2:                                 # orient a complex-pair plane: I + F turns it counter-clockwise
         B = orient_plane(B, F, (dim1 == 2) & (lam[0, 1] > 0))
@@ -379,7 +361,8 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     facts = {"eigenvalues": jnp.stack([re, im], axis=1), "shifted": order, "plain": porder, "lam": lam,
              "lam_plain": lam_plain, "dim": dim1.astype(jnp.int32), "dim_plain": dim_plain.astype(jnp.int32),
              "direction": B, "principal": P, "principal_dim": pdim.astype(jnp.int32), "top2": top2,
-             "random": rand, "v1": B[:, 0] * (dim1 == 1), "x0": x0, "x0_exact": exact}
+             "random": rand, "v1": B[:, 0] * (dim1 == 1), "x0": x0, "x0_exact": exact,
+             "F": F}
     return layers, facts
 
 
@@ -393,3 +376,102 @@ def _tokens(z, u, values, cfg: SyntheticConfig, v):
     if cfg.init == "cone":
         return cone(g, z["axis"], u["angle"] * values["cone"]), None
     return bipartite(g, v, values["noise"], cfg.tokens // 2)
+
+
+# --------------------------------------------------------------------- the builder on the host
+
+build = jax.jit(synthetic, static_argnames="cfg")
+""":func:`synthetic` compiled (``cfg`` static): one program per shape, whatever the spectrum."""
+
+_PRECISIONS = {np.dtype(np.float32): False, np.dtype(np.float64): True}
+SEED_LIMIT = 2 ** 31
+"""Seeds of :func:`synthetic_system` lie in 0 .. SEED_LIMIT - 1 (a sweep row's ``int32`` seed)."""
+
+
+def synthetic_inputs(eigenvalues=None, *, kind: str = "symmetric", heads: int = 1, beta: float = 1.0,
+                     d: Optional[int] = None, seed: int = 0, d_head: Optional[int] = None,
+                     F: Optional[np.ndarray] = None, dtype=np.float32, nonnormality: float = 1.0,
+                     tokens: int = 1):
+    """``(seed, values, cfg)`` for :func:`synthetic` from the arguments of
+    :func:`synthetic_system` (checked: each bad one a one-line ValueError): a spectrum list
+    becomes ``spectrum = "eigenvalues"`` (its slots, :func:`spectrum_slots`, a dynamic value),
+    an F ``spectrum = "given"``. ``cfg.steps`` is 1 (the wrapper sets the schedule)."""
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be an integer in 0 .. {SEED_LIMIT - 1}, got {seed!r}")
+    if not np.isfinite(beta):
+        raise ValueError(f"beta must be finite, got {beta}")
+    if not np.isfinite(nonnormality):
+        raise ValueError(f"nonnormality must be finite, got {nonnormality}")
+    dt = np.dtype(dtype)
+    if dt not in _PRECISIONS:
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    if not isinstance(heads, (int, np.integer)) or heads <= 0:
+        raise ValueError(f"heads must be positive, got {heads}")
+    values = {"beta": beta, "nonnormality": nonnormality, "cone": 0.0, "noise": 0.0}
+    if F is not None:
+        F = np.asarray(F)
+        if F.ndim != 2 or F.shape[0] != F.shape[1] or F.shape[0] == 0:
+            raise ValueError(f"F must be a square (d, d) matrix, got shape {F.shape}")
+        if not np.issubdtype(F.dtype, np.floating) and not np.issubdtype(F.dtype, np.integer):
+            raise ValueError(f"F must be real, got dtype {F.dtype}")
+        if not np.all(np.isfinite(F)):
+            raise ValueError("F contains non-finite values (NaN or inf)")
+        if d is not None and int(d) != F.shape[0]:
+            raise ValueError(f"d={d} but F is {F.shape[0]}x{F.shape[0]}")
+        d, spectrum, values["F"] = F.shape[0], "given", F.astype(dt)
+    elif eigenvalues is None:
+        raise ValueError("give a spectrum (a list of eigenvalues) or F")
+    else:
+        eigs = [complex(z) for z in eigenvalues]
+        d = check_spectrum(eigs, kind, d)
+        spectrum, values["eigenvalues"] = "eigenvalues", spectrum_slots(eigs, d).astype(dt)
+    cfg = SyntheticConfig(d=int(d), tokens=int(tokens), heads=int(heads), kind=kind, spectrum=spectrum,
+                          x64=_PRECISIONS[dt], d_head=None if d_head is None else int(d_head))
+    return np.int32(seed), values, cfg
+
+
+def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, beta: float = 1.0,
+                     d: Optional[int] = None, seed: int = 0, steps: Optional[int] = None,
+                     d_head: Optional[int] = None, F: Optional[np.ndarray] = None, dtype=np.float32,
+                     nonnormality: float = 1.0, tokens: int = 1, facts: bool = False):
+    """A one-layer (shared-weight) system with F of the given spectrum (or F itself): the one
+    builder :func:`synthetic`, compiled (:data:`build`) and brought to the host.
+
+    Args:
+      eigenvalues: the spectrum, e.g. ``[2.0, 0.5 + 1.0j, 0.3]`` (a complex entry stands for
+        its conjugate pair; zeros fill up to d), or None with ``F``.
+      kind: one of :data:`KINDS`; heads: H; d_head: e (default ceil(d / H); H e >= d);
+      beta: the inverse temperature; seed: 0 .. 2^31 - 1; nonnormality: s of the nonnormal S;
+      F: "float[d d]" the layer matrix itself (the heads carry it; spectral facts are NaN).
+      steps: the schedule is that layer repeated ``steps`` times (``Schedule.repeat``); None
+        leaves it unset (one step of the one layer).
+      dtype: ``np.float32`` or ``np.float64``: the system is built in that precision (float64
+        enabled for the build only); the layers are ``jnp`` arrays, so where the caller has not
+        enabled float64 they are rounded to float32 (as ``jnp.asarray`` does); the facts keep it.
+      tokens: n, the rows of ``facts["x0"]`` (tokens on the sphere).
+      facts: also return the facts dict of :func:`synthetic` (NumPy arrays).
+
+    Returns:
+      :class:`Layers`, or ``(layers, facts)`` with the facts as NumPy arrays. A system its head split
+      cannot carry (a numerically singular V_cat or S) is a ValueError.
+    """
+    sched = None if steps is None else Schedule.repeat(0, check_steps(steps))
+    seed, values, cfg = synthetic_inputs(eigenvalues, kind=kind, heads=heads, beta=beta, d=d, seed=seed,
+                                         d_head=d_head, F=F, dtype=dtype, nonnormality=nonnormality,
+                                         tokens=tokens)
+    with jax.enable_x64(cfg.x64):
+        layers, out = jax.device_get(build(seed, values, cfg))
+    if not (np.all(np.isfinite(layers.W_o)) and np.all(np.isfinite(out["F"]))):
+        raise ValueError(f"synthetic system (kind {kind!r}, d={cfg.d}, heads={cfg.heads}, seed={int(seed)}) "
+                         f"is singular: its S or V_cat has no inverse")
+    layers = jax.tree_util.tree_map(jnp.asarray, layers)        # in the caller's precision, as make_layers
+    layers = layers.replace(config=dataclasses.replace(layers.config, schedule=sched))
+    return (layers, out) if facts else layers
+
+
+def spectrum_matrix(eigenvalues, *, kind: str = "symmetric", d: Optional[int] = None, seed: int = 0,
+                    nonnormality: float = 1.0) -> np.ndarray:
+    """A real "float64[d d]" matrix with the given eigenvalues (zeros fill up to d): the F of
+    :func:`synthetic_system` with these arguments (one head), built in float64."""
+    return synthetic_system(eigenvalues, kind=kind, d=d, seed=seed, nonnormality=nonnormality,
+                            dtype=np.float64, facts=True)[1]["F"]

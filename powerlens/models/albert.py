@@ -115,16 +115,16 @@ def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") ->
     check_albert_layers(L, G, I, reader.names(), src)
     act = activation(config, "hidden_act", src, "gelu_new")
     emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, E), "position": (P, E), "token_type": (T, E),
-                                                 "norm_scale": (E,), "norm_bias": (E,)})
+                                                 "norm_scale": (E,), "norm_bias": (E,)}, dtype)
     emb.update(read_tensors(
         reader, {"project_W": "encoder.embedding_hidden_mapping_in.weight",
                  "project_b": "encoder.embedding_hidden_mapping_in.bias"},
-        {"project_W": (d, E), "project_b": (d,)}))
+        {"project_W": (d, E), "project_b": (d,)}, dtype))
     schedule = albert_schedule(L, G, I)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
                       norm_placement="post", ffn_activation=act, schedule=schedule, family="albert")
     indices = [dict(g=g, j=j) for g in range(G) for j in range(I)]
-    layers = read_layers(reader, ALBERT_NAMES, indices, cfg, f)
+    layers = read_layers(reader, ALBERT_NAMES, indices, cfg, f, dtype)
     info = ModelInfo(family="albert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=config.get("pad_token_id", 0),
                      bos_token_id=config.get("bos_token_id"), hidden_state_steps=hidden_state_steps(L, I),

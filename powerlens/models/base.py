@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import jax
 import numpy as np
-from flax import struct
+from ..dynamics import struct
 
 from ..dynamics.params import Layers
 from .layout import declare_output_layout

@@ -121,8 +121,8 @@ EMBEDDING_NAMES = {
 
 # ---------------------------------------------------------------------- tensors
 def read_layers(reader: TensorReader, names: Dict[str, str], indices, config: LayerConfig,
-                f: int) -> Layers:
-    """Read every field of ``names`` for the unique layers ``indices`` into :class:`Layers`.
+                f: int, dtype) -> Layers:
+    """Read every field of ``names`` for the unique layers ``indices`` into :class:`Layers` of ``dtype``.
 
     ``names``: field -> tensor-name template, formatted with each dict of ``indices`` (one
     per unique layer). Each tensor is read straight into its slot of a stacked (U, ...)
@@ -130,7 +130,7 @@ def read_layers(reader: TensorReader, names: Dict[str, str], indices, config: La
     """
     H, e, d = config.n_heads, config.d_head, config.d_model
     shapes = {field: _SHAPES[field](H, e, d, f) for field in names}     # (stored, target)
-    st = Stack(len(indices), reader.dtype, {field: target for field, (_, target) in shapes.items()}, reader.folder)
+    st = Stack(len(indices), dtype, {field: target for field, (_, target) in shapes.items()}, reader.folder)
     for field, template in names.items():
         for u, idx in enumerate(indices):
             st.read(field, u, reader, template.format(**idx), shapes[field][0])
@@ -170,10 +170,10 @@ def convert_bert(config: dict, reader: TensorReader, dtype, name: str = "") -> M
             raise CheckpointError(f"{src}: pad_token_id={pad} leaves no positions out of max_position_embeddings={P}")
     # embeddings first, while nothing else is resident (keeps peak memory low)
     emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, d), "position": (P, d), "token_type": (T, d),
-                                                 "norm_scale": (d,), "norm_bias": (d,)})
+                                                 "norm_scale": (d,), "norm_bias": (d,)}, dtype)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
                       norm_placement="post", ffn_activation=act, family=family)
-    layers = read_layers(reader, BERT_NAMES, [dict(i=i) for i in range(L)], cfg, f)
+    layers = read_layers(reader, BERT_NAMES, [dict(i=i) for i in range(L)], cfg, f, dtype)
     info = ModelInfo(family=family, source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=pad, bos_token_id=config.get("bos_token_id"),
                      position_offset=offset, name=name)
@@ -197,10 +197,11 @@ def convert_distilbert(config: dict, reader: TensorReader, dtype, name: str = ""
     act = activation(config, "activation", src, "gelu")
     eps = 1e-12
     names = {k: v for k, v in EMBEDDING_NAMES.items() if k != "token_type"}
-    emb = read_tensors(reader, names, {"word": (V, d), "position": (P, d), "norm_scale": (d,), "norm_bias": (d,)})
+    emb = read_tensors(reader, names, {"word": (V, d), "position": (P, d), "norm_scale": (d,), "norm_bias": (d,)},
+                       dtype)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
                       norm_placement="post", ffn_activation=act, family="distilbert")
-    layers = read_layers(reader, DISTILBERT_NAMES, [dict(i=i) for i in range(L)], cfg, f)
+    layers = read_layers(reader, DISTILBERT_NAMES, [dict(i=i) for i in range(L)], cfg, f, dtype)
     info = ModelInfo(family="distilbert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=config.get("pad_token_id", 0), name=name)
     return Model(layers=layers, embeddings=emb, info=info)

@@ -237,9 +237,10 @@ def to_device(a: np.ndarray) -> jax.Array:
     return out
 
 
-def read_tensors(reader: TensorReader, names: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]]):
-    """``{key: tensor names[key] of shape shapes[key]}`` as JAX arrays, one at a time."""
-    return {key: to_device(reader.get(name, shapes[key])) for key, name in names.items()}
+def read_tensors(reader: TensorReader, names: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]], dtype=None):
+    """``{key: tensor names[key] of shape shapes[key]}`` as JAX arrays of ``dtype`` (default: the
+    reader's), one at a time."""
+    return {key: to_device(reader.get(name, shapes[key], dtype=dtype)) for key, name in names.items()}
 
 
 class Stack:

@@ -28,7 +28,7 @@ from typing import Iterator, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from ..dynamics import struct
 
 from ..dynamics.norms import apply_norm
 from ..dynamics.run import run_batch

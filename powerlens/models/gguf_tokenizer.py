@@ -2,10 +2,10 @@
 
 A GGUF file has no ``tokenizer.json``: it stores the vocabulary and how to use it under
 llama.cpp's keys. This module reads them once (:func:`tokenizer_spec`, from the already
-parsed file) and builds a ``tokenizers.Tokenizer`` wrapped as a
-``transformers.PreTrainedTokenizerFast`` (:func:`build_tokenizer`) -- no torch, no second
-parse of the file. The construction is the one transformers' own GGUF integration makes
-(the test suite checks the ids and the decoding against it on a few hundred strings).
+parsed file) and builds a ``tokenizers.Tokenizer``, run directly (:class:`GGUFTokenizer`,
+:func:`build_tokenizer`) -- no transformers, no torch, no second parse of the file. The
+construction is the one transformers' own GGUF integration makes (the test suite checks the
+ids and the decoding against it on a few hundred strings).
 
 Keys read (``tokenizer.ggml.*``)::
 
@@ -33,9 +33,10 @@ import dataclasses
 import functools
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..io import cache_dir
+from .embed import FolderTokenizer
 from .reader import CheckpointError
 
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -255,47 +256,75 @@ def _cache_path(spec: TokenizerSpec) -> Optional[str]:
     return os.path.join(cache_dir(), "tokenizers", f"{name}.json")
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_class():
-    """``PreTrainedTokenizerFast`` that adopts a backend without the deep copy that
-    ``tokenizer_object=`` makes (a quarter of a second for a 50k vocabulary)."""
-    from transformers import PreTrainedTokenizerFast
+class GGUFTokenizer(FolderTokenizer):
+    """The tokenizer of a GGUF file: a ``tokenizers.Tokenizer`` run directly, as a folder's
+    ``tokenizer.json`` is (:class:`~powerlens.models.embed.FolderTokenizer`: ``tok(text)``,
+    ``encode``, ``decode``, ``convert_tokens_to_ids``, ``unk_token_id``), with the file's
+    ``bos_token_id`` / ``eos_token_id`` (None where it names none) and ``convert_ids_to_tokens``."""
 
-    class GGUFTokenizer(PreTrainedTokenizerFast):
-        def __init__(self, backend=None, **kwargs):
-            if backend is not None:
-                self._tokenizer = backend
-            super().__init__(**kwargs)
+    def __init__(self, backend, *, unk_token_id: Optional[int] = None, bos_token_id: Optional[int] = None,
+                 eos_token_id: Optional[int] = None):
+        super().__init__(backend, unk_token_id=unk_token_id)
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
-    return GGUFTokenizer
+    def convert_ids_to_tokens(self, ids):
+        """The token of an id, or the list of tokens of a list of ids."""
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(int(i)) for i in ids]
 
 
-def build_tokenizer(spec: TokenizerSpec):
-    """A ``transformers.PreTrainedTokenizerFast`` (no torch needed) from a :class:`TokenizerSpec`.
+def _bos_eos_template(bos: Optional[Tuple[str, int]], eos: Optional[Tuple[str, int]]):
+    """The post-processor that puts BOS before and EOS after a prompt, (token, id) each or
+    None: ``BOS $A EOS``, and ``BOS $A EOS BOS $B EOS`` for a pair (type ids 0 and 1), the
+    template transformers' ``PreTrainedTokenizerFast`` writes for ``add_bos_token``/``add_eos_token``."""
+    from tokenizers import processors
+
+    def sequence(name: str, type_id: int) -> str:
+        parts = [bos and bos[0], f"${name}", eos and eos[0]]
+        return " ".join(f"{p}:{type_id}" for p in parts if p)
+
+    return processors.TemplateProcessing(single=sequence("A", 0), pair=f"{sequence('A', 0)} {sequence('B', 1)}",
+                                         special_tokens=[t for t in (bos, eos) if t is not None])
+
+
+def build_tokenizer(spec: TokenizerSpec) -> GGUFTokenizer:
+    """The :class:`GGUFTokenizer` of a :class:`TokenizerSpec` (``tokenizers`` only).
 
     ``tok(text)["input_ids"]`` adds BOS/EOS as the file's ``add_bos_token``/``add_eos_token`` say;
-    control tokens are special (kept whole, dropped by ``decode(ids, skip_special_tokens=True)``).
+    the named tokens (bos/eos/unk/pad) and the control tokens are special (kept whole in the
+    text, dropped by ``decode(ids, skip_special_tokens=True)``), user-defined tokens are added
+    tokens (kept whole). The backend is the one transformers' ``PreTrainedTokenizerFast`` makes
+    of the same construction, token for token (the tests compare the ids and the decoding with
+    transformers' own GGUF tokenizer): no truncation, no padding, no clean-up of spaces.
     """
     from tokenizers import AddedToken
 
     backend, letters = _backend(spec)
+    backend.no_truncation()
+    backend.no_padding()
+    names = {k: spec.token(k) for k in _ID_KEYS}
+    present = {str(t) for t in backend.get_added_tokens_decoder().values()}
+    named = [AddedToken(t, special=True) for t in dict.fromkeys(names[k] for k in ("bos", "eos", "unk", "pad"))
+             if t is not None and t not in present]
+    if named:
+        backend.add_tokens(named)
     types = spec.token_type or ()
     # in a byte-level vocabulary a control token outside the byte alphabet is a llama.cpp mislabel
     control = [AddedToken(t, normalized=False, special=True) for t, k in zip(spec.tokens, types)
                if k == CONTROL and (letters is None or set(t) <= letters)]
-    names = {k: spec.token(k) for k in _ID_KEYS}
-    tok = _tokenizer_class()(
-        backend, bos_token=names["bos"], eos_token=names["eos"], unk_token=names["unk"],
-        pad_token=names["pad"], add_bos_token=spec.add_bos, add_eos_token=spec.add_eos,
-        clean_up_tokenization_spaces=False, name_or_path=spec.path)
     if control:
-        tok.add_special_tokens({"additional_special_tokens": control}, replace_extra_special_tokens=False)
-    vocab = tok.get_vocab()
+        backend.add_special_tokens(control)
+    vocab = backend.get_vocab(with_added_tokens=True)
     user = [AddedToken(t, normalized=False, special=False) for t, k in zip(spec.tokens, types)
             if k == USER_DEFINED and t in vocab]
     if user:
-        tok.add_tokens(user)
-    return tok
+        backend.add_tokens(user)
+    ids = {k: None if t is None else backend.token_to_id(t) for k, t in names.items()}
+    with_id = lambda k: None if ids[k] is None else (names[k], ids[k])
+    backend.post_processor = _bos_eos_template(with_id("bos") if spec.add_bos else None,
+                                               with_id("eos") if spec.add_eos else None)
+    return GGUFTokenizer(backend, unk_token_id=ids["unk"], bos_token_id=ids["bos"], eos_token_id=ids["eos"])
 
 
 # specs read while loading a model, so that its tokenizer never parses the file again

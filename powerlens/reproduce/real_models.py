@@ -4,7 +4,8 @@ packages), plus any of the paper's models found in the local Hugging Face cache.
 5. layer-varying models: gamma_t against chance, rho_t with controls, both orderings,
    the paper rule and the faithful rule;
 6. each real layer iterated as a shared-weight system: convergence to its principal
-   subspace against the predicted rate |mu2/mu1|;
+   subspace against the predicted rate |mu2/mu1|; a ``[model]`` sweep spec
+   (``specs/shared_real.toml``, :func:`shared_real_spec`) run by the sweep engine;
 8. what the FFN changes: the ``full`` rule against ``paper`` on the same prompts.
 """
 from __future__ import annotations
@@ -220,43 +221,40 @@ def local_global(per_model: Dict[str, dict]):
 
 # --------------------------------------------------------------------------- section 6
 
-def _shared_iterations(model, name, ctx, T, layers_idx):
-    from ..analysis.spectra import reference_subspaces
-    from ..dynamics.subspaces import stack_subspaces
-    from ..dynamics.sweep import simulate_sweep, stack_systems
-    from ..models.embed import embed
-    from .synthetic import fit_rate
-    spectra = _spectra(name)
-    x0, valid = embed(model, _prompts(ctx)[:1])
-    out = []
-    with jax.enable_x64(True):
-        systems = [jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64) if np.issubdtype(np.asarray(a).dtype,
-                                                                                               np.floating) else a,
-                                          model.layers.shared(l, T)) for l in layers_idx]
-        subs = stack_subspaces([reference_subspaces([spectra[l]], dtype=np.float64) for l in layers_idx])
-        X0 = np.broadcast_to(np.asarray(x0[0], np.float64), (len(layers_idx),) + tuple(x0.shape[1:]))
-        V = np.broadcast_to(np.asarray(valid[0]), (len(layers_idx), x0.shape[1]))
-        traj = simulate_sweep(stack_systems(systems), X0, subs, valid=V, rule="paper", attention="softmax")
-        gam = np.asarray(traj.gamma[..., traj.index("principal")], float)            # (S, T)
-        cons = np.asarray(traj.consensus, float)
-    for i, l in enumerate(layers_idx):
-        s = spectra[l].shifted
-        sin = np.sqrt(np.maximum(1 - gam[i] ** 2, 0))
-        out.append({"model": name, "layer": l, "mu1": s.mu1, "ratio": s.ratio, "complex": s.is_complex,
-                    "dim": s.dim, "final_gamma": float(gam[i, -1]), "final_consensus": float(cons[i, -1]),
-                    "measured_rate": fit_rate(sin, 1e-6, 1e-2), "gamma_curve": gam[i].tolist()})
-    return out
+SHARED_REAL = "shared_real"
+"""Section 6's spec, ``specs/shared_real.toml``: a ``[model]`` sweep, run once per default model."""
+SHARED_COLUMNS = ("point", "replicate", "seed", "layer", "lambda1_re", "lambda1_im", "direction_rate_pred",
+                  "principal_dim", "final_gamma", "final_consensus", "gamma")
+"""The columns of section 6's table that its chunk keeps (``gamma``: the per-step series)."""
 
 
-def _shared_steps(ctx) -> int:
-    return 80 if ctx.quick else 200
+def shared_real_spec(model: str, *, seed: int = 0, quick: bool = False):
+    """Section 6's :class:`~powerlens.sweeps.spec.Spec` for ``model``, as ``powerlens reproduce
+    [--quick] --seed SEED`` runs it: every unique layer (``--quick``: every ``max(U // 4, 1)``-th
+    of the U unique layers) iterated T steps (the spec's 200; ``--quick``: :data:`QUICK_SHARED_STEPS`)
+    with the paper rule in float64 on the spec's prompt. ``pl.sweep_system(shared_real_spec(m, seed=S, quick=Q), row)`` rebuilds
+    any row of its table."""
+    from ..sweeps.spec import load_spec
+    from .synthetic import section_spec_path
+    path = section_spec_path(SHARED_REAL)
+    spec = load_spec(path, overrides={"seed": seed, "model": {"name": model, "layers": "all"}})
+    if not quick:
+        return spec
+    U = len(spec.model["layers"])                 # "all": every unique layer
+    return load_spec(path, overrides={"seed": seed, "grid": {"steps": [QUICK_SHARED_STEPS]},
+                                      "model": {"name": model, "layers": list(range(0, U, max(U // 4, 1)))}})
+
+
+QUICK_SHARED_STEPS = 80
 
 
 def _shared_real_chunk(ctx, name: str) -> list:
-    model = _load(name)
-    U = model.layers.n_unique
-    idx = list(range(0, U, max(U // 4, 1))) if ctx.quick else list(range(U))
-    return _shared_iterations(model, name, ctx, _shared_steps(ctx), idx)
+    """Section 6's rows of model ``name``: its spec run by the sweep engine into reproduce's
+    store (chunks ``s6_NAME-...``), the columns :data:`SHARED_COLUMNS` of each row."""
+    from ..sweeps.engine import run_sweep
+    spec = shared_real_spec(name, seed=ctx.seed, quick=ctx.quick)
+    table = run_sweep(spec, ctx.store, progress=False, prefix=f"s6_{name}-").table
+    return table[list(SHARED_COLUMNS)].to_dict("records")
 
 
 def shared_real_chunks(ctx, name: str):
@@ -264,17 +262,32 @@ def shared_real_chunks(ctx, name: str):
     return [(f"s6_{name}", functools.partial(_shared_real_chunk, ctx, name))] if name in DEFAULT_MODELS else []
 
 
+def shared_real_row(model: str, r: dict) -> dict:
+    """A row of section 6 from a row of its table: |1+lambda1| (``mu1``), the predicted rate
+    |1+lambda2|/|1+lambda1| (``ratio``), and the measured rate of sin(angle to S) = sqrt(1 - gamma_t^2)
+    fitted where it lies in (1e-6, 1e-2) (None where too few steps do)."""
+    from .synthetic import _nan, fit_rate
+    gam = np.asarray(r["gamma"], float)
+    mu1 = float(np.hypot(1.0 + r["lambda1_re"], r["lambda1_im"]))
+    sin = np.sqrt(np.maximum(1 - gam ** 2, 0))
+    top = abs(complex(r["lambda1_re"], r["lambda1_im"]))
+    return {"model": model, "layer": int(r["layer"]), "mu1": mu1, "ratio": r["direction_rate_pred"],
+            "complex": bool(r["lambda1_im"] > 1e-9 * (1 + top)),
+            "dim": int(r["principal_dim"]), "final_gamma": r["final_gamma"], "final_consensus": r["final_consensus"],
+            "measured_rate": _nan(fit_rate(sin, 1e-6, 1e-2)), "gamma_curve": gam.tolist()}
+
+
 def section_shared_real(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
     found, _ = available_models(ctx)
-    T = _shared_steps(ctx)
     rows = []
     for name in ctx.progress([m for m in found if m in DEFAULT_MODELS], "6 real layers as shared systems"):
         for key, compute in shared_real_chunks(ctx, name):
-            rows += ctx.model_chunk(name, key, compute)
+            rows += [shared_real_row(name, r) for r in ctx.model_chunk(name, key, compute)]
     if not rows:
         return SectionResult("shared_real", "6. Real layers iterated as shared-weight systems", "", "skipped",
                              "None of MiniLM, SmolLM2 and Gemma 3 is installed.")
+    T = len(rows[0]["gamma_curve"])
     conv = [r for r in rows if r["final_gamma"] > 0.99]
     pred_ok = [r for r in rows if r["mu1"] > 1 and r["ratio"] < 0.95]
     measurable = [r for r in conv if r["measured_rate"] is not None]

@@ -8,25 +8,41 @@
 4. bipartite consensus: the fraction of near-bipartite starts that stay bipartite,
    against heads and beta, over >= 1000 systems.
 
-Each section is a spec in ``powerlens/reproduce/specs/`` run by the sweep engine
+Each section is a spec in ``powerlens/reproduce/specs/`` of the built-in synthetic builder
+(:func:`powerlens.dynamics.synthetic.synthetic`), run by the sweep engine
 (:mod:`powerlens.sweeps.engine`) into reproduce's chunk store; ``--quick`` and ``--seed``
-override its grid and seed. The systems of a point are built by the builders below
-(``builder = "powerlens.reproduce.synthetic:..."``), which keep each section's own
-spectrum law and random streams; the engine runs them and measures the columns.
+override its grid, replicates and seed (:func:`section_spec`). Every row is therefore
+rebuilt from its ``seed`` and grid values alone:
+``pl.sweep_system(section_spec(name, seed=S, quick=Q), row)``. The sections read the
+engine's columns only. The laws, in the builder's terms:
+
+1. ``top`` = [1, 3], ``rest`` = [-0.3, hi] for hi in 0.3, 0.5, 0.7, 0.85 (a grid axis),
+   symmetric F: lambda2 (the largest of the 15 others, about hi) over lambda1 spreads over
+   0.1 .. 0.85. The builder draws the others from one range, independently of lambda1, so
+   lambda3 lies close to lambda2 (a law such as lambda2 = lambda1 U(0.3, 0.85) with the rest
+   U(-0.3, 0.3) lambda2 is not one it can express).
+2. ``pair`` = 1, ``top`` = [0.5, 1.5] (Re lambda1), ``imag`` = [0.3, 2.5], ``rest`` =
+   [-0.3, 0.3]: 1 + lambda1 lies in a box of modulus 1.5 .. 3.5 and argument 0.12 .. 1.03 rad
+   (the builder draws the real and imaginary parts, not the modulus and the argument).
+3. one explicit spectrum per gap (0.2, 0.1, 0.05, 0.02): 2, 2 - gap, 0.5 and 13 fixed values
+   spread over [-0.3, 0.1] (a spectrum text has fixed entries, not draws); v1 and
+   span(v1, v2) are the builder's ``direction`` and ``top2`` facts.
+4. ``top`` = [1, 3], ``rest`` = [-0.5, 0.5], symmetric, ``init = "bipartite"`` with
+   ``noise`` 0.02; the exact +-v1 start is the builder's ``x0_exact``; float64, so that the
+   exact start of a one-head system is a fixed point to rounding.
 """
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
 from ..dynamics.measures import wrap_angle
-from ..dynamics.params import layer_matrices
-from ..dynamics.synthetic import bipartite_tokens, cone_tokens, spectrum_matrix, synthetic_system
+from ..dynamics.synthetic import parse_spectrum
 from ..sweeps.columns import fit_rates
 from ..sweeps.engine import run_sweep
-from ..sweeps.spec import load_spec
-from ..sweeps.systems import from_layers
+from ..sweeps.spec import load_spec, read_toml
 from .section import SectionResult, Table, verdict_from
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
@@ -37,9 +53,50 @@ def fit_rate(values, lo: float, hi: float, min_points: int = 3) -> float:
     return float(fit_rates(np.asarray(values, float)[None], (lo, hi), min_points=min_points)[0])
 
 
-def run_section(ctx, name: str, desc: str, **overrides):
-    """(spec, table) of section spec ``name`` (``specs/NAME.toml``, seed and overrides from the run)."""
-    spec = load_spec(os.path.join(SPECS, name + ".toml"), overrides={"seed": ctx.seed, **overrides})
+def section_spec_path(name: str) -> str:
+    """The spec file of section spec ``name`` (``specs/NAME.toml``)."""
+    return os.path.join(SPECS, name + ".toml")
+
+
+def spectrum_gap(text: str) -> float:
+    """lambda1 - lambda2 of an explicit spectrum text (its first two entries), to 1e-9."""
+    z = parse_spectrum(text)
+    return round(z[0].real - z[1].real, 9)
+
+
+QUICK_GAPS = (0.2, 0.1, 0.05)
+"""Section 3's gaps lambda1 - lambda2 in a ``--quick`` run (the spec's spectra with these gaps)."""
+SPEC_NAMES = ("dominant_real", "complex_pair", "close_eigenvalues", "bipartite")
+
+
+def quick_overrides(name: str) -> dict:
+    """What ``--quick`` changes in section spec ``name`` (one of :data:`SPEC_NAMES`): fewer
+    grid values and replicates."""
+    if name == "dominant_real":
+        return {"grid": {"rest": [[-0.3, 0.3], [-0.3, 0.85]]}, "system": {"replicates": 4}}
+    if name == "complex_pair":
+        return {"system": {"replicates": 4}}
+    if name == "close_eigenvalues":
+        spectra = read_toml(section_spec_path(name))["grid"]["spectrum"]
+        return {"grid": {"spectrum": [s for s in spectra if spectrum_gap(s) in QUICK_GAPS]},
+                "system": {"replicates": 2}, "run": {"chunk_size": 2}}
+    if name == "bipartite":
+        return {"grid": {"heads": [1, 4]}, "system": {"replicates": 16}, "run": {"chunk_size": 16}}
+    raise ValueError(f"unknown section spec {name!r}; expected one of {', '.join(SPEC_NAMES)}")
+
+
+def section_spec(name: str, *, seed: int = 0, quick: bool = False):
+    """The :class:`~powerlens.sweeps.spec.Spec` of section ``name`` as ``powerlens reproduce
+    [--quick] --seed SEED`` runs it: ``pl.sweep_system(section_spec(name, seed=S, quick=Q), row)``
+    rebuilds any row of its table."""
+    overrides = quick_overrides(name)
+    return load_spec(section_spec_path(name), overrides={"seed": seed, **(overrides if quick else {})})
+
+
+def run_section(ctx, name: str, desc: str):
+    """(spec, table) of section spec ``name`` with the run's seed and ``--quick``, run into
+    reproduce's store."""
+    spec = section_spec(name, seed=ctx.seed, quick=ctx.quick)
     return spec, run_sweep(spec, ctx.store, progress=ctx.show_progress, desc=desc, prefix=name + "-").table
 
 
@@ -47,104 +104,11 @@ def _nan(v):
     return None if v is None or not np.isfinite(v) else float(v)
 
 
-# --------------------------------------------------------------------------- builders
-
-def _dtype(point):
-    return np.float64 if point["x64"] else np.float32
-
-
-def _cone_systems(spectra_list, point, system_seed: int, start_seed: int):
-    """Synthetic systems ``system_seed + i`` of the point's kind/heads/beta/d, tokens in a cone
-    of half-angle ``cone`` around a random axis (one stream, seed ``start_seed``, system after
-    system), random-subspace controls with seeds ``start_seed + i``.
-
-    Starting inside an open hemisphere is the standard condition for consensus; from a
-    spread start a softmax system can also settle into bipartite or periodic states.
-    """
-    d, n = point["d"], point["tokens"]
-    systems = [synthetic_system(s, kind=point["kind"], heads=point["heads"], beta=point["beta"], d=d,
-                                seed=system_seed + i, steps=point["steps"], dtype=_dtype(point))
-               for i, s in enumerate(spectra_list)]
-    rng = np.random.default_rng(start_seed)
-    X0 = np.stack([cone_tokens(rng, n, rng.standard_normal(d), rng.uniform(0, point["cone"], n)[:, None])
-                   for _ in systems])
-    return systems, X0
-
-
-def dominant_real_systems(point, seeds, spec):
-    """Section 1: lambda1 ~ U(1, 3), lambda2 = lambda1 U(0.3, 0.85), the rest U(-0.3, 0.3) lambda2."""
-    c, d = point["chunk"], point["d"]
-    r = np.random.default_rng(spec.seed * 1000 + c)
-    specs = []
-    for _ in range(spec.replicates):
-        lam1 = r.uniform(1.0, 3.0)
-        lam2 = lam1 * r.uniform(0.3, 0.85)
-        specs.append([lam1, lam2] + list(r.uniform(-0.3, 0.3, d - 2) * lam2))
-    systems, X0 = _cone_systems(specs, point, spec.seed * 1000 + 10 * c, spec.seed + c)
-    return from_layers(systems, X0, seed=spec.seed + c)
-
-
-def complex_pair_systems(point, seeds, spec):
-    """Section 2: 1 + lambda1 = rho e^{i phi}, rho ~ U(2, 3), phi ~ U(0.1, 1.2), the rest U(-0.3, 0.3)."""
-    c, d = point["chunk"], point["d"]
-    r = np.random.default_rng(spec.seed * 2000 + c + (0 if point["kind"] == "normal" else 500))
-    specs = []
-    for _ in range(spec.replicates):
-        rho, phi = r.uniform(2.0, 3.0), r.uniform(0.1, 1.2)
-        specs.append([complex(rho * np.cos(phi) - 1.0, rho * np.sin(phi))] + list(r.uniform(-0.3, 0.3, d - 2)))
-    systems, X0 = _cone_systems(specs, point, spec.seed * 2000 + 10 * c, spec.seed + 7 * c)
-    return from_layers(systems, X0, seed=spec.seed + 7 * c)
-
-
-def close_eigenvalue_systems(point, seeds, spec):
-    """Section 3: eigenvalues 2, 2 - gap, 0.5 and the rest U(-0.3, 0.1); the direction rate is
-    measured toward v1 and the top2 rate into span(v1, v2), both from eigh of F."""
-    g, d = point["gap"], point["d"]
-    base = spec.seed * 3000 + int(1000 * g)
-    r = np.random.default_rng(base)
-    specs = [[2.0, 2.0 - g, 0.5] + list(r.uniform(-0.3, 0.1, d - 3)) for _ in range(spec.replicates)]
-    systems, X0 = _cone_systems(specs, point, base, spec.seed + int(1000 * g))
-    v1, v12, lam = [], [], []
-    for s in systems:
-        F = np.asarray(layer_matrices(s), float)[0]
-        w, V = np.linalg.eigh((F + F.T) / 2)
-        idx = np.argsort(-np.abs(1 + w))
-        v1.append(V[:, idx[:1]])
-        v12.append(V[:, idx[:2]])
-        lam.append([[w[i], 0.0] for i in idx[:3]])
-    return from_layers(systems, X0, seed=spec.seed + int(1000 * g), direction=np.stack(v1), top2=np.stack(v12),
-                       lam=np.array(lam))
-
-
-def bipartite_systems(point, seeds, spec):
-    """Section 4: lambda1 ~ U(1, 3), the rest U(-0.5, 0.5), symmetric; starts +-v1 + noise and
-    the exact +-v1 configuration (v1 from eigh of F), all from one stream per cell."""
-    H, beta, d, n = point["heads"], point["beta"], point["d"], point["tokens"]
-    r = np.random.default_rng(spec.seed * 4000 + 17 * H + int(10 * beta))
-    systems, v1s = [], []
-    for _ in range(spec.replicates):
-        lam1 = r.uniform(1.0, 3.0)
-        F = spectrum_matrix([lam1] + list(r.uniform(-0.5, 0.5, d - 1)), kind="symmetric", d=d, rng=r)
-        systems.append(synthetic_system(None, F=F, heads=H, beta=beta, seed=int(r.integers(1 << 30)),
-                                        steps=point["steps"], dtype=_dtype(point)))
-        w, V = np.linalg.eigh(F)
-        v1s.append(V[:, np.argmax(np.abs(1 + w))])
-    X0 = np.stack([bipartite_tokens(r, n, v, noise=point["noise"]) for v in v1s])
-    exact = np.stack([bipartite_tokens(r, n, v, noise=0.0) for v in v1s])
-    return from_layers(systems, X0, seed=spec.seed, v1=np.array(v1s), x0_exact=exact)
-
-
-dominant_real_systems.keys = {"chunk": 0}
-complex_pair_systems.keys = {"chunk": 0}
-close_eigenvalue_systems.keys = {"gap": 0.1}
-
-
 # --------------------------------------------------------------------------- section 1
 
 def section_dominant_real(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
-    grid = {"grid": {"chunk": [0, 1]}} if ctx.quick else {}
-    spec, df = run_section(ctx, "dominant_real", "1 dominant real", **grid)
+    spec, df = run_section(ctx, "dominant_real", "1 dominant real")
     d = spec.system["d"]
     rows = [{"lambda1": r.lambda1_re, "lambda2": r.lambda2_re, "pred_consensus_rate": r.consensus_rate_pred,
              "pred_direction_rate": r.direction_rate_pred, "meas_consensus_rate": _nan(r.consensus_rate),
@@ -192,8 +156,7 @@ def section_dominant_real(ctx) -> SectionResult:
 
 def section_complex_pair(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
-    grid = {"grid": {"kind": ["normal", "nonnormal"], "chunk": [0]}} if ctx.quick else {}
-    _, df = run_section(ctx, "complex_pair", "2 complex pair", **grid)
+    _, df = run_section(ctx, "complex_pair", "2 complex pair")
     rows = [{"kind": r.kind, "lambda1": [r.lambda1_re, r.lambda1_im], "pred_rotation": r.rotation_pred,
              "meas_rotation": r.rotation, "plane_dim": int(r.principal_dim), "final_gamma_plane": r.final_gamma,
              "final_consensus": r.final_consensus,
@@ -234,15 +197,16 @@ def section_complex_pair(ctx) -> SectionResult:
 
 # --------------------------------------------------------------------------- section 3
 
+
 def section_close_eigenvalues(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
-    grid = {"grid": {"gap": [0.2, 0.1, 0.05]}} if ctx.quick else {}
-    _, df = run_section(ctx, "close_eigenvalues", "3 close eigenvalues", **grid)
-    gaps = list(dict.fromkeys(df["gap"].tolist()))
-    rows = [{"gap": r.gap, "pred_slow": r.direction_rate_pred, "pred_fast": r.top2_rate_pred,
+    _, df = run_section(ctx, "close_eigenvalues", "3 close eigenvalues")
+    gap = [spectrum_gap(s) for s in df["spectrum"]]
+    gaps = list(dict.fromkeys(gap))
+    rows = [{"gap": g, "pred_slow": r.direction_rate_pred, "pred_fast": r.top2_rate_pred,
              "meas_slow": _nan(r.direction_rate), "meas_fast": _nan(r.top2_rate),
              "tan_v1": r.direction_tan if r.replicate == 0 else None,
-             "tan_plane": r.top2_tan if r.replicate == 0 else None} for r in df.itertuples()]
+             "tan_plane": r.top2_tan if r.replicate == 0 else None} for g, r in zip(gap, df.itertuples())]
     nan = lambda v: np.nan if v is None else v
     ps, ms = np.array([r["pred_slow"] for r in rows]), np.array([nan(r["meas_slow"]) for r in rows])
     pf, mf = np.array([r["pred_fast"] for r in rows]), np.array([nan(r["meas_fast"]) for r in rows])
@@ -273,7 +237,7 @@ def section_close_eigenvalues(ctx) -> SectionResult:
 
 def section_bipartite(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
-    _, df = run_section(ctx, "bipartite", "4 bipartite", **({"system": {"replicates": 16}} if ctx.quick else {}))
+    _, df = run_section(ctx, "bipartite", "4 bipartite")
     heads_list = sorted(set(df["heads"].tolist()))
     betas = sorted(set(df["beta"].tolist()))
     cells = [{"heads": int(sub["heads"].iloc[0]), "beta": float(sub["beta"].iloc[0]), "systems": int(len(sub)),

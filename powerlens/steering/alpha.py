@@ -263,11 +263,19 @@ def entering_states(layers: Layers, x0: "float[B n d]", valid: "bool[B n] | None
     return out["final"], valid
 
 
-def _one_step_terms(lp, X, valid, keep_bias, attention, positions):
-    """p (n, d) and m (n, H e) of one prompt for one layer (see module docstring)."""
+def head_mix(lp, X: "float[n d]", valid: "bool[n]", *, keep_bias: bool, attention: str = "softmax",
+             positions=None) -> "float[n H e]":
+    """m_i = concat_h (A_h X V_h^T)_i (+ b_v when ``keep_bias``), the heads' outputs before W_o,
+    so that attn(X)_i = W_o m_i (+ b_o): :func:`~powerlens.dynamics.layer.attention_output`
+    with W_o = I and no b_o (rows of A sum to 1, so the values' bias passes through whole)."""
     He = lp.W_o.shape[1]
     mixer = lp.replace(W_o=jnp.eye(He, dtype=lp.W_o.dtype), b_o=None)
-    m = attention_output(mixer, X, valid, attention=attention, keep_bias=keep_bias, positions=positions)
+    return attention_output(mixer, X, valid, attention=attention, keep_bias=keep_bias, positions=positions)
+
+
+def _one_step_terms(lp, X, valid, keep_bias, attention, positions):
+    """p (n, d) and m (n, H e) of one prompt for one layer (see module docstring)."""
+    m = head_mix(lp, X, valid, keep_bias=keep_bias, attention=attention, positions=positions)
     p = X + m @ lp.W_o.T
     if keep_bias and lp.b_o is not None:
         p = p + lp.b_o

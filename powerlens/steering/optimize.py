@@ -271,16 +271,25 @@ def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, **
     """:func:`solve_one` over directions U (K, d) and keys (K, 2), the directions split evenly
     over all devices (:func:`~powerlens.dynamics.execution.map_systems`: K padded to a multiple
     of the device count, the padding dropped), everything else given whole to each device."""
-    shared = (layers, X, valid, R, positions, pm)
-    return map_systems(_direction_solver(tuple(sorted(static.items()))), (U, keys), shared=shared,
+    return map_targets(solve_one, 3, (layers, X, valid, R, positions, pm), (U, keys), static)
+
+
+def map_targets(fn, split: int, shared: tuple, mapped: tuple, static: dict):
+    """``fn(*shared[:split], *one, *shared[split:], **static)`` for every target ``one`` of
+    ``mapped`` (a tuple of arrays with a leading target axis K): one compiled program, the
+    targets split evenly over all devices (:func:`~powerlens.dynamics.execution.map_systems`:
+    K padded to a multiple of the device count, the padding dropped), each device vmapping
+    its share; ``shared`` is given whole to each device."""
+    return map_systems(_per_target(fn, split, tuple(sorted(static.items()))), mapped, shared=shared,
                        devices=jax.device_count(), micro="all", check_vma=False)
 
 
-@functools.lru_cache(maxsize=16)
-def _direction_solver(static_items):
-    """solve_one for one direction, the problem's arrays shared (one function per setting)."""
+@functools.lru_cache(maxsize=32)
+def _per_target(fn, split: int, static_items):
+    """``fn`` for one target, the problem's arrays shared: one function object per setting
+    (map_systems keys its compiled programs by it)."""
     static = dict(static_items)
-    return lambda shared, u, key: solve_one(*shared[:3], u, key, *shared[3:], **static)
+    return lambda shared, *one: fn(*shared[:split], *one, *shared[split:], **static)
 
 
 # ------------------------------------------------------------------ public API
@@ -383,7 +392,8 @@ def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: st
 def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignment", valid=None,
                       target: float = 0.99, reduce: str = "mean", param: str = "lowrank", rank: int = 1,
                       steps: Optional[int] = None, lr: Optional[float] = None, mu: Optional[float] = None,
-                      dual_every: int = 10, tol: float = 1e-4, w: str = "auto", layer: int = -1, rule: str = "paper",
+                      dual_every: int = 10, tol: Optional[float] = None, w: str = "auto", layer: int = -1,
+                      rule: str = "paper",
                       attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
                       vectorize: bool = True, signed: bool = True, target_prob=0.5, max_kl: float = 0.5,
                       controls=None):
@@ -407,7 +417,8 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
       param: ``w_alpha`` or ``lowrank`` (with ``rank`` r >= 1); token also ``activation``.
       steps, lr, mu: Adam steps and step size, augmented-Lagrangian penalty (defaults:
         300, 1e-2, 100 for alignment; 300, 3e-3, 10 for token); dual_every: multiplier
-        updates; tol: feasibility slack.
+        updates; tol: feasibility slack (default 1e-4 on the alignment; 0 for the token
+        objective, so a returned edit reaches ``target_prob`` and ``max_kl`` exactly).
       w: closed-form initial w, ``auto`` (``inverse`` where V_cat has full column rank, else
         ``value``), ``inverse`` or ``value``; the choice used is the result's ``w``.
       vectorize: one vmapped run over the K directions (default), or a Python loop over
@@ -424,9 +435,11 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
         return optimize_token(model_or_layers, x0, targets, valid=valid, layer=layer, rank=rank, param=param,
                               target_prob=target_prob, max_kl=max_kl, controls=controls,
                               steps=300 if steps is None else steps, lr=3e-3 if lr is None else lr,
-                              mu=10.0 if mu is None else mu, dual_every=dual_every, tol=tol, w=w, seed=seed)
+                              mu=10.0 if mu is None else mu, dual_every=dual_every, tol=0.0 if tol is None else tol,
+                              w=w, seed=seed)
     layers = getattr(model_or_layers, "layers", model_or_layers)
     directions = targets
+    tol = 1e-4 if tol is None else tol
     steps = 300 if steps is None else steps
     lr = 1e-2 if lr is None else lr
     mu = 100.0 if mu is None else mu

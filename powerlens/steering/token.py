@@ -18,9 +18,16 @@ stream), the model's final norm once, its LM head and soft-capping
 
 u is the target's unit read-out row (the ``token:`` direction). The constraints go through
 the augmented Lagrangian of :func:`~.lagrangian.constrained_adam`, one multiplier per
-constraint (B + 1). The steps before the edited one do not depend on E and run once,
-outside the optimisation; gradients flow through the one ``run`` of the remaining steps
-and the head.
+constraint (B + 1). Only each row's last token reaches the head, so the final step of the
+schedule runs at that token only (its keys and values read every token); what does not
+depend on E runs once, outside the optimisation (:func:`prepare_states`): the steps before
+the edited one, and, when the edited layer is the final step (the default, the last layer),
+that step's entering state and head mix at the last tokens, so that a step of the loop is
+the edit (W_o + n0 P Q^T) m applied as (m Q)(n0 P)^T, the block's MLP, the final norm and
+the head at B + C tokens. The scores go through one logsumexp (:func:`token_constraints`),
+in the states' precision (float64 under ``jax_enable_x64`` with a float64 model). The K
+targets are one compiled, vmapped program, sharded over the devices
+(:func:`~.optimize.map_targets`).
 
 Start: the closed-form ray, dO = alpha u w_cf^T (w_cf of :func:`~.rank1.resolve_w`) or
 v = alpha u for activation addition. The target probability need not increase along it, so
@@ -33,17 +40,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..dynamics.layer import check_rule
-from ..dynamics.run import run_batch
+from ..dynamics.layer import full_attention_input, full_block
+from ..dynamics.run import inert_padding, run_batch
 from ..models.forward import logits as model_logits
+from .alpha import head_mix
 from .lagrangian import bisect_increasing, constrained_adam
-from .optimize import _delta_sq, edit_factors, factor_norm, initial_params, run_tail
+from .optimize import _delta_sq, edit_factors, factor_norm, initial_params, map_targets, run_tail
 from .rank1 import factor_rank, host_matrices, inverse_map, layer_index, resolve_w
 
 TOKEN_PARAMS = ("lowrank", "w_alpha", "activation")
@@ -68,42 +75,110 @@ def last_positions(valid: "bool[M n]") -> "int[M]":
     return n - 1 - jnp.argmax(valid[:, ::-1], axis=1)
 
 
+def score_dtype(dtype):
+    """The precision of the scores (logits, log-probabilities): the states' own, at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def next_token_logp(model, h: "float[M d]") -> "float[M V]":
     """log p(. | prompt) from final residual states at the prompts' last tokens: final norm,
-    LM head (soft-capped), log-softmax in float32."""
-    return jax.nn.log_softmax(model_logits(model, h).astype(jnp.float32), axis=-1)
+    LM head (soft-capped), log-softmax, in :func:`score_dtype` of the states."""
+    z = model_logits(model, h)
+    return jax.nn.log_softmax(z.astype(score_dtype(z.dtype)), axis=-1)
 
 
-def edited_final_states(model, X, valid, last, edit, *, before_add, after_add):
-    """Final residual states "float[M d]" at each row's last token: the steps ``before_add``
-    from X (the tokens entering the edited step), with ``edit`` = (dO or None, v or None)
-    applied (dO to W_o of the edited layer, already in ``edit``'s layers; v added to every
-    token after those steps), then the steps ``after_add``."""
-    layers, v = edit
-    Y = run_tail(layers, X, valid, before_add, rule="full", attention="softmax", keep_bias=True)
-    if v is not None:
-        Y = Y + v
-    if len(after_add):
-        Y = run_tail(layers, Y, valid, after_add, rule="full", attention="softmax", keep_bias=True)
-    return Y[jnp.arange(Y.shape[0]), last]
+def edit_dependent_steps(param: str, before_add: tuple, after_add: tuple) -> tuple:
+    """The schedule steps (unique-layer indices) whose input depends on the edit: a weight
+    edit, all of them (the first applies the edited layer); activation addition, those after
+    the addition."""
+    return tuple(after_add) if param == "activation" else tuple(before_add) + tuple(after_add)
 
 
-def token_constraints(logp, target_id, log_target, base_logp, max_kl: float, n_prompts: int):
+def final_step_inputs(lp, S: "float[M n d]", valid: "bool[M n]", last: "int[M]"):
+    """(x "float[M d]", mix "float[M H e]"): each row's state at its last token entering the
+    final step (layer ``lp``, rule ``full``) and that step's head mix there
+    (:func:`~.alpha.head_mix` of the attention's input; the keys and values read every token
+    of S). Only the last tokens reach the head, so the final step runs nowhere else."""
+    S = inert_padding(S, valid)               # padding as powerlens.dynamics.run keeps it: finite norms
+    mix = jax.vmap(lambda s, v: head_mix(lp, full_attention_input(lp, s), v, keep_bias=True))(S, valid)
+    rows = jnp.arange(S.shape[0])
+    return S[rows, last], mix[rows, last]
+
+
+def final_step(lp, x: "float[M d]", mix: "float[M H e]", factors=None) -> "float[M d]":
+    """The final step's output at the last tokens: attention output a = (W_o + fP fQ^T) mix + b_o,
+    the edit applied as (mix fQ) fP^T (no (d, H e) matrix formed), then the block
+    (:func:`~powerlens.dynamics.layer.full_block`). ``factors``: (fP "(d, r)", fQ "(H e, r)") or None."""
+    a = mix @ lp.W_o.T
+    if lp.b_o is not None:
+        a = a + lp.b_o
+    if factors is not None:
+        fP, fQ = factors
+        a = a + (mix @ fQ) @ fP.T
+    return full_block(lp, x, a)
+
+
+def prepare_states(layers, X: "float[M n d]", valid: "bool[M n]", last: "int[M]", *, param: str, before_add: tuple,
+                   after_add: tuple) -> dict:
+    """The part of the forward pass that does not depend on the edit, run once: ``X`` (the tokens
+    entering the first edited step), ``S`` (those entering the first edit-dependent step: X, or
+    the output of ``before_add`` for activation addition), and, when the final step is the only
+    edit-dependent one (the usual case: the last layer edited), its inputs ``x`` and ``mix`` at
+    the last tokens (:func:`final_step_inputs`); when no step is (activation addition after the
+    final step), the final states ``h`` "float[M d]"."""
+    tail = edit_dependent_steps(param, before_add, after_add)
+    S = run_tail(layers, X, valid, tuple(before_add), rule="full", attention="softmax", keep_bias=True) \
+        if param == "activation" else X
+    pre = {"X": X, "S": S}
+    if not tail:
+        pre["h"] = S[jnp.arange(S.shape[0]), last]
+    elif len(tail) == 1:
+        pre["x"], pre["mix"] = final_step_inputs(layers.layer(tail[0]), S, valid, last)
+    return pre
+
+
+def edited_final_states(layers, pre: dict, valid, last, edit, *, layer: int, param: str, tail: tuple) -> "float[M d]":
+    """Final residual states "float[M d]" at each row's last token with ``edit``: (fP, fQ), the
+    factors of dO = fP fQ^T added to W_o of unique layer ``layer``, or the vector v
+    (``param="activation"``) added to every token after the steps ``before_add``; None: no
+    edit. ``pre``: :func:`prepare_states`; ``tail``: :func:`edit_dependent_steps`. The steps
+    of the tail but its last run on every token, the last at the last tokens only
+    (:func:`final_step`)."""
+    if param == "activation":
+        add = 0.0 if edit is None else edit
+        if not tail:
+            return pre["h"] + add
+        S, edited = pre["S"] + add, layers
+    elif len(tail) == 1:
+        return final_step(layers.layer(layer), pre["x"], pre["mix"], edit)
+    else:
+        S = pre["S"]
+        edited = layers if edit is None else layers.replace(W_o=layers.W_o.at[layer].add(edit[0] @ edit[1].T))
+    if len(tail) > 1:
+        S = run_tail(edited, S, valid, tail[:-1], rule="full", attention="softmax", keep_bias=True)
+    lp = edited.layer(tail[-1])
+    return final_step(lp, *final_step_inputs(lp, S, valid, last))
+
+
+def token_constraints(z: "float[M V]", target_id, log_target, base_logp, max_kl: float, n_prompts: int):
     """(g "float[B+1]", log p(target) "float[B]", mean control KL): the constraints of the
-    module docstring from next-token log-probabilities "float[B+C V]" (prompts first)."""
-    lp_t = logp[:n_prompts, target_id]
-    kl_each = jnp.sum(jnp.exp(base_logp) * (base_logp - logp[n_prompts:]), axis=-1)
+    module docstring from next-token logits z "float[B+C V]" (prompts first) and the controls'
+    unedited log-probabilities base_logp "float[C V]". The log-softmax is never formed: with
+    s = logsumexp(z), log p(t | b) = z_t - s and KL(p_0 || p) = sum_v p_0 (log p_0 - z) + s sum_v p_0."""
+    z = z.astype(score_dtype(z.dtype))
+    lse = jax.nn.logsumexp(z, axis=-1)
+    lp_t = z[:n_prompts, target_id] - lse[:n_prompts]
+    p0 = jnp.exp(base_logp)
+    kl_each = jnp.sum(p0 * (base_logp - z[n_prompts:]), axis=-1) + lse[n_prompts:] * jnp.sum(p0, axis=-1)
     kl = jnp.mean(kl_each)
     return jnp.concatenate([log_target - lp_t, (kl - max_kl)[None]]), lp_t, kl
 
 
-def _edit(model, params, u, n0, *, param: str, layer: int):
-    """(layers with the weight edit, v or None) of a parameterisation."""
-    layers = model.layers
+def edit_of(params, u, n0, param: str):
+    """The edit of a parameterisation: the factors (fP, fQ) of dO, or the vector v (activation)."""
     if param == "activation":
-        return layers, n0 * params["s"]
-    fP, fQ = edit_factors(params, u, n0, param)
-    return layers.replace(W_o=layers.W_o.at[layer].add(fP @ fQ.T)), None
+        return n0 * params["s"]
+    return edit_factors(params, u, n0, param)
 
 
 def _size(params, n0, param: str):
@@ -126,47 +201,66 @@ def ray_start(min_logp, log_target, dtype, bisect_iters: int):
     return jnp.where(feasible, hi, grid[jnp.argmax(vals)]), feasible
 
 
-def solve_token_one(model, X, valid, last, base_logp, u, target_id, log_target, key, R, *, layer: int,
-                    before_add, after_add, n_prompts: int, param: str, rank: int, max_kl: float, steps: int,
-                    lr: float, mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 30,
-                    lr_floor: float = 0.05):
+def _scores(model, pre, valid, last, base_logp, target_id, log_target, edit, *, layer, param, tail, max_kl,
+            n_prompts):
+    """token_constraints of one edit (the forward pass, the head, the constraints)."""
+    h = edited_final_states(model.layers, pre, valid, last, edit, layer=layer, param=param, tail=tail)
+    return token_constraints(model_logits(model, h), target_id, log_target, base_logp, max_kl, n_prompts)
+
+
+def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params0, n0, *, layer: int, tail: tuple,
+               n_prompts: int, param: str, max_kl: float, steps: int, lr: float, mu: float, dual_every: int,
+               tol: float, lr_floor: float = 0.05) -> dict:
+    """The Adam loop of one target from ``params0`` with scale n0:
+    :func:`~.lagrangian.constrained_adam` over :func:`token_constraints` (aux: min_b log p(t | b)).
+    Returns constrained_adam's dict."""
+    score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=layer,
+                              param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
+
+    def constraints(p):
+        g, lp_t, _ = score(edit_of(p, u, n0, param))
+        return g, jnp.min(lp_t)
+
+    return constrained_adam(lambda p: _size(p, n0, param), constraints, params0, steps=steps, lr=lr, mu=mu,
+                            dual_every=dual_every, tol=tol, lr_floor=lr_floor)
+
+
+def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *, layer: int, tail: tuple,
+                    n_prompts: int, param: str, rank: int, max_kl: float, steps: int, lr: float, mu: float,
+                    dual_every: int, tol: float, w_kind: str, bisect_iters: int = 30, lr_floor: float = 0.05):
     """One target (module docstring): u (d,) unit, target_id, log_target = log(target_prob).
-    R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d). Returns a dict of arrays
-    (see :class:`TokenSteeringResult`)."""
+    ``pre``: :func:`prepare_states`; ``tail``: :func:`edit_dependent_steps`. R: pinv(V^T)
+    (H e, d) for w_kind 'inverse', else V (H e, d). Returns a dict of arrays (see
+    :class:`TokenSteeringResult`)."""
+    X = pre["X"]
     dtype = X.dtype
-    fwd = lambda edit: next_token_logp(model, edited_final_states(model, X, valid, last, edit, before_add=before_add,
-                                                                   after_add=after_add))
-    constraints_of = lambda logp: token_constraints(logp, target_id, log_target, base_logp, max_kl, n_prompts)
+    score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=layer,
+                              param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
     if param == "activation":
         w_hat, wn = None, jnp.asarray(1.0, dtype)
-        ray_edit = lambda log_a: (model.layers, jnp.exp(log_a) * u)
+        ray_edit = lambda log_a: jnp.exp(log_a) * u
     else:
         w_cf = R @ u
         w_cf = w_cf / jnp.linalg.norm(w_cf) if w_kind == "value" else w_cf
         wn = jnp.linalg.norm(w_cf)
         w_hat = w_cf / wn
-        ray_edit = lambda log_a: (model.layers.replace(
-            W_o=model.layers.W_o.at[layer].add(jnp.exp(log_a) * jnp.outer(u, w_cf))), None)
-    min_logp = lambda log_a: jnp.min(constraints_of(fwd(ray_edit(log_a)))[1])
+        ray_edit = lambda log_a: ((jnp.exp(log_a) * u)[:, None], w_cf[:, None])
+    min_logp = lambda log_a: jnp.min(score(ray_edit(log_a))[1])
     log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, bisect_iters)
     alpha_cf = jnp.exp(log_cf)
-    _, cf_lp, cf_kl = constraints_of(fwd(ray_edit(log_cf)))
+    _, cf_lp, cf_kl = score(ray_edit(log_cf))
     # where the ray never gets there its best point may be a vanishing edit: the edit's scale
     # n0 is then at least a tenth of the layer's own (||W_o|| or the mean token norm entering it)
     floor = 0.1 * (jnp.sqrt(jnp.mean(jnp.sum(X * X, -1))) if param == "activation"
                    else jnp.linalg.norm(model.layers.W_o[layer]))
     n0 = jnp.where(cf_feasible, alpha_cf * wn, jnp.maximum(alpha_cf * wn, floor))
     params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, rank, key, dtype)
-
-    def constraints(p):
-        g, lp_t, _ = constraints_of(fwd(_edit(model, p, u, n0, param=param, layer=layer)))
-        return g, jnp.min(lp_t)
-
-    sol = constrained_adam(lambda p: _size(p, n0, param), constraints, params, steps=steps, lr=lr, mu=mu,
-                           dual_every=dual_every, tol=tol, lr_floor=lr_floor)
+    sol = token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params, n0, layer=layer, tail=tail,
+                     n_prompts=n_prompts, param=param, max_kl=max_kl, steps=steps, lr=lr, mu=mu,
+                     dual_every=dual_every, tol=tol, lr_floor=lr_floor)
     best = sol["params"]
     found = jnp.isfinite(sol["size"])
-    _, lp_t, kl = constraints_of(fwd(_edit(model, best, u, n0, param=param, layer=layer)))
+    _, lp_t, kl = score(edit_of(best, u, n0, param))
     nan = lambda a: jnp.where(found, a, jnp.nan)
     if param == "activation":
         vec = n0 * best["s"]
@@ -181,15 +275,11 @@ def solve_token_one(model, X, valid, last, base_logp, u, target_id, log_target, 
             "history_min_target_prob": jnp.exp(sol["history_aux"]), "history_norm": jnp.sqrt(sol["history_size"]) * n0}
 
 
-_STATIC = ("layer", "before_add", "after_add", "n_prompts", "param", "rank", "max_kl", "steps", "lr", "mu",
-           "dual_every", "tol", "w_kind", "bisect_iters")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def solve_token_many(model, X, valid, last, base_logp, U, target_ids, log_targets, keys, R, **static):
-    """:func:`solve_token_one` vmapped over K targets (U (K, d), ids (K,), log targets (K,), keys (K, 2))."""
-    one = lambda u, t, lt, k: solve_token_one(model, X, valid, last, base_logp, u, t, lt, k, R, **static)
-    return jax.vmap(one)(U, target_ids, log_targets, keys)
+def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_targets, keys, **static):
+    """:func:`solve_token_one` for K targets (U (K, d), ids (K,), log targets (K,), keys (K, 2)):
+    one compiled, vmapped program, the targets sharded over the devices (:func:`~.optimize.map_targets`)."""
+    return map_targets(solve_token_one, 6, (model, pre, valid, last, base_logp, R),
+                       (U, target_ids, log_targets, keys), static)
 
 
 # ------------------------------------------------------------------ public API
@@ -292,7 +382,7 @@ def entering(layers, X, valid, step: int):
 
 def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int = 1, param: str = "lowrank",
                    target_prob=0.5, max_kl: float = 0.5, controls=None, steps: int = 300, lr: float = 3e-3,
-                   mu: float = 10.0, dual_every: int = 10, tol: float = 1e-4, w: str = "auto",
+                   mu: float = 10.0, dual_every: int = 10, tol: float = 0.0, w: str = "auto",
                    seed: int = 0) -> TokenSteeringResult:
     """:func:`~.optimize.optimize_steering` with ``objective="token"`` (module docstring).
 
@@ -349,17 +439,18 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
     before_add, after_add = tuple(sched[t0:t_last + 1]), tuple(sched[t_last + 1:])
     X = entering(layers, X_all, V_all, t0)
     last = last_positions(V_all)
-    h_base = edited_final_states(model, X, V_all, last, (layers, None), before_add=before_add, after_add=after_add)
+    pre = prepare_states(layers, X, V_all, last, param=param, before_add=before_add, after_add=after_add)
+    tail = edit_dependent_steps(param, before_add, after_add)
+    h_base = edited_final_states(layers, pre, V_all, last, None, layer=l, param=param, tail=tail)
     base_logp = next_token_logp(model, h_base)[B:]
     _, Vc, _ = host_matrices(layers, l)
-    w_kind = resolve_w(Vc, w, l).kind if w == "auto" else resolve_w(Vc, w, l).kind
+    w_kind = resolve_w(Vc, w, l).kind
     R = jnp.asarray(inverse_map(Vc, l) if w_kind == "inverse" else Vc, dtype)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(ids))
-    out = solve_token_many(model, X, V_all, last, base_logp, jnp.asarray(U, dtype), jnp.asarray(ids, jnp.int32),
-                           jnp.asarray(np.log(levels), dtype), keys, R, layer=l, before_add=before_add,
-                           after_add=after_add, n_prompts=B, param=param, rank=int(rank), max_kl=float(max_kl),
-                           steps=int(steps), lr=float(lr), mu=float(mu), dual_every=int(dual_every), tol=float(tol),
-                           w_kind=w_kind)
+    out = solve_token_many(model, pre, V_all, last, base_logp, R, jnp.asarray(U, dtype), jnp.asarray(ids, jnp.int32),
+                           jnp.asarray(np.log(levels), dtype), keys, layer=l, tail=tail, n_prompts=B, param=param,
+                           rank=int(rank), max_kl=float(max_kl), steps=int(steps), lr=float(lr), mu=float(mu),
+                           dual_every=int(dual_every), tol=float(tol), w_kind=w_kind)
     out = jax.tree_util.tree_map(np.asarray, out)
     return TokenSteeringResult(target_ids=ids, directions=U, target_prob_level=np.asarray(levels, np.float64),
                                max_kl=float(max_kl), param=param, rank=1 if param == "activation" else int(rank),

@@ -35,6 +35,7 @@ import numpy as np
 from .. import io
 from ..dynamics.subspaces import Subspaces
 from ..dynamics.synthetic import synthetic as build_synthetic
+from .columns import series_column
 from .engine import Engine, SweepResult, barrier, static_of
 from .grid import DYNAMIC, Grid, system_seeds
 from .spec import Spec, load_spec
@@ -114,7 +115,7 @@ def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, re
     buf = _bytes.BytesIO()
     df.to_parquet(buf, index=False, engine="pyarrow")
     written = [io.write_bytes(os.path.join(target, RESULTS), buf.getvalue())]
-    flat = df.drop(columns=[c for c in spec.measure["series"] if c in df])
+    flat = df.drop(columns=[c for c in map(series_column, spec.measure["series"]) if c in df])
     written.append(io.write_text(os.path.join(target, "results.csv"), flat.to_csv(index=False)))
     info = {"spec": spec.to_dict(), "versions": io.versions(), "devices": result.devices,
             "processes": result.processes, "systems": int(len(df)), "chunks": result.chunks,
@@ -159,8 +160,9 @@ class SweepSystem:
         row's ``lambda*`` columns), ``dim`` (``principal_dim``), ``direction``, ``top2``, ``v1``,
         ``x0_exact``; a synthetic row adds everything
         :func:`powerlens.dynamics.synthetic.synthetic` returns (the spectrum in both orders).
-      rule, attention, keep_bias: how the row was run: ``pl.run(s.layers, s.x0, s.valid,
-        rule=s.rule, attention=s.attention, keep_bias=s.keep_bias, observers=...)``.
+      rule, attention, keep_bias, x64: how the row was run: ``with jax.enable_x64(s.x64):
+        pl.run(s.layers, s.x0, s.valid, rule=s.rule, attention=s.attention, keep_bias=s.keep_bias,
+        observers=...)`` (a float64 row run without x64 is run in float32, to float32's rounding).
     """
 
     layers: Any
@@ -171,6 +173,7 @@ class SweepSystem:
     rule: str
     attention: str
     keep_bias: Optional[bool]
+    x64: bool = False
 
 
 def _spec_and_rows(source):
@@ -242,7 +245,7 @@ def sweep_system(out_dir_or_spec, row) -> SweepSystem:
     point = system // grid.replicates
     group = next(g for g in grid.groups() if g.contains([point])[0])
     st = static_of(spec, group)
-    how = {"rule": st.rule, "attention": st.attention, "keep_bias": st.keep_bias or None}
+    how = {"rule": st.rule, "attention": st.attention, "keep_bias": st.keep_bias or None, "x64": st.x64}
     builder = spec.system.get("builder", "synthetic")
     with jax.enable_x64(st.x64):
         if spec.model is None and builder == "synthetic":

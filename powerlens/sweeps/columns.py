@@ -27,7 +27,8 @@ the principal group, design.md §2). Each column, with NaN/None where it is unde
 
 A row whose run went non-finite (``finite`` False: an overflow, a NaN, a token without a
 direction) reports no measure of its states: every column of :data:`OF_STATES` and its
-series are null. The spectral columns (lambda, the predictions, principal_dim) describe
+series are null. A series is the column of its own name, except ``rotation``, whose name is
+the scalar column's: its series is ``rotation_series`` (:func:`series_column`). The spectral columns (lambda, the predictions, principal_dim) describe
 the system itself and stay.
 
 A measured rate is the asymptotic one (:func:`fit_rates`): exp of the least-squares slope
@@ -120,6 +121,12 @@ def drift(x1, v1, valid):
     return np.max(np.where(valid, off, -np.inf), axis=-1)
 
 
+def series_column(name: str) -> str:
+    """The table column of per-step series ``name``: the name itself, or ``NAME_series`` where
+    a scalar column already has that name (``rotation``)."""
+    return name + "_series" if name in MEASURED else name
+
+
 def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=()) -> Dict[str, list]:
     """The measured columns (module docstring) of S systems from their raw outputs, as
     JSON-ready lists (None where undefined), plus the requested ``series`` as lists."""
@@ -161,10 +168,10 @@ def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=(
             cols[name] = [int(x) for x in v]
         else:
             cols[name] = [None if not np.isfinite(x) else float(x) for x in np.asarray(v, np.float64)]
-    for name in series:
-        if name in raw:
-            cols[name] = np.asarray(raw[name], np.float64).tolist()
-    for name in [*OF_STATES, *(k for k in series if k in cols)]:
+    kept = [name for name in series if name in raw]
+    for name in kept:
+        cols[series_column(name)] = np.asarray(raw[name], np.float64).tolist()
+    for name in [*OF_STATES, *(series_column(k) for k in kept)]:
         cols[name] = [x if good else None for x, good in zip(cols[name], ok)]
     return cols
 

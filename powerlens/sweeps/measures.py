@@ -1,8 +1,9 @@
 """What the compiled program measures for one system: one call of :func:`powerlens.run`.
 
-``measure(systems, static)`` runs the system's schedule from x0 with the observers
-``alignment``, ``consensus``, ``finite``, ``final`` and the sweep's own per-state observers below,
-and returns the raw per-system outputs that :mod:`powerlens.sweeps.columns` reduces to
+``measure(systems, static)`` runs the system's schedule from x0 with the one bundle of a
+measured run, :func:`~powerlens.dynamics.observers.run_observers` (``alignment``, ``consensus``,
+``finite``, ``final``), and the tangent observers ``mean_tangent`` and ``plane_angle`` as its
+extras, and returns the raw per-system outputs that :mod:`powerlens.sweeps.columns` reduces to
 one row (T steps, n tokens, d width)::
 
     consensus      "float[T+1]"   mu(X_t)
@@ -20,45 +21,28 @@ one row (T steps, n tokens, d width)::
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Dict
 
 import jax
 import jax.numpy as jnp
 
-from ..dynamics.observers import alignment, consensus, final, finite, per_state
+from ..dynamics.observers import final, mean_tangent, plane_angle, run_observers
 from ..dynamics.run import run
 from .systems import Static, Systems
-
-
-def mean_tangent(basis: "float[d k]") -> Callable:
-    """tan of the angle between the valid tokens' mean and span(basis) (orthonormal, zero-padded)."""
-    def tan(X, valid):
-        w = valid.astype(X.dtype)
-        m = jnp.sum(X * w[:, None], axis=0) / jnp.maximum(jnp.sum(w), 1.0)
-        c = m @ basis
-        perp = jnp.linalg.norm(m - basis @ c)
-        return perp / jnp.maximum(jnp.linalg.norm(c), jnp.finfo(X.dtype).tiny)
-    return tan
-
-
-def plane_angle(basis: "float[d k]") -> Callable:
-    """Each token's angle "float[n]" in the plane of the first two columns of ``basis``."""
-    return lambda X, valid: jnp.arctan2(X @ basis[:, 1], X @ basis[:, 0])
 
 
 def measure(sy: Systems, st: Static) -> Dict[str, jax.Array]:
     """The raw outputs of one system (module docstring); the spectral facts of ``sy`` that
     are set (lam, dim, v1) pass through."""
     keep_bias = st.keep_bias or None
-    obs = {"alignment": alignment(sy.subspaces), "consensus": consensus(), "finite": finite(), "final": final(),
-           "direction_tan": per_state(mean_tangent(sy.direction))}
+    extras = {"direction_tan": mean_tangent(sy.direction)}
     if sy.top2 is not None:
-        obs["top2_tan"] = per_state(mean_tangent(sy.top2))
+        extras["top2_tan"] = mean_tangent(sy.top2)
     principal = sy.subspaces.index("principal")
     if "plane_angle" in st.series and sy.subspaces.basis.shape[-1] >= 2:
-        obs["plane_angle"] = per_state(plane_angle(sy.subspaces.basis[0, principal]))
+        extras["plane_angle"] = plane_angle(sy.subspaces.basis[0, principal])
     out = run(sy.layers, sy.x0, sy.valid, rule=st.rule, attention=st.attention, keep_bias=keep_bias,
-              observers=obs)
+              observers=run_observers(sy.subspaces, extras=extras))
     a = out.pop("alignment")
     raw = {"consensus": out.pop("consensus").consensus, "gamma": a.gamma[:, principal],
            "rho": a.rho[:, principal], "rotation": a.rotation, **out, "valid": sy.valid}

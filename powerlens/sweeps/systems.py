@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from ..dynamics import struct
 
 from ..analysis.spectra import reference_subspaces, spectra_of, sweep_subspaces
 from ..dynamics.params import LayerConfig, Layers
