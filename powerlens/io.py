@@ -572,7 +572,7 @@ def versions() -> dict:
     import importlib.metadata as md
     import platform
     out = {"python": platform.python_version()}
-    for pkg in ("powerlens", "jax", "jaxlib", "flax", "optax", "numpy", "scipy", "transformers", "safetensors", "gguf"):
+    for pkg in ("powerlens", "jax", "jaxlib", "optax", "numpy", "scipy", "transformers", "safetensors", "gguf"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

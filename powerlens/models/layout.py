@@ -70,17 +70,24 @@ def checkpoint_delta(source: Union[str, object], delta_O) -> np.ndarray:
     return d.T if output_layout(source) == CONV1D else d
 
 
-def unembedding_matrix(model) -> np.ndarray:
-    """The token read-out matrix in the residual space: (V, d), float64.
+def vocabulary_rows(model) -> int:
+    """V, the number of rows of :func:`unembedding_matrix`, without forming it."""
+    return int((model.lm_head if model.lm_head is not None else model.embeddings["word"]).shape[0])
+
+
+def unembedding_matrix(model, rows=None) -> np.ndarray:
+    """The token read-out matrix in the residual space: (V, d), float64; with ``rows`` (ids,
+    shape (K,)) only those rows, (K, d), without converting the other V - K.
 
     ``lm_head`` when present, otherwise the (tied) word embeddings; for ALBERT-like models
     whose embedding width E differs from d, the word rows (V, E) are mapped through the
     embedding projection ``project_W`` (d, E).
     """
     d = model.layers.config.d_model
+    pick = (lambda a: a) if rows is None else (lambda a: a[np.asarray(rows, np.int64)])
     if model.lm_head is not None:
-        return np.asarray(model.lm_head, np.float64)
-    W = np.asarray(model.embeddings["word"], np.float64)
+        return np.asarray(pick(np.asarray(model.lm_head)), np.float64)
+    W = np.asarray(pick(np.asarray(model.embeddings["word"])), np.float64)
     if W.shape[1] != d:
         if "project_W" not in model.embeddings:
             raise ValueError(f"word embeddings have width {W.shape[1]} != d={d} and there is no projection")

@@ -15,7 +15,7 @@ Two claims, two verdicts, each computed from its own numbers:
                  (:func:`paper_claim_verdict`, from the checks above);
   output claim   the edit makes the target the model's own next token (rule ``full``)
                  without large side effects (:func:`output_claim_verdict`). On SmolLM2 and
-                 Gemma 3, for the 8 targets :data:`OUTPUT_WORDS` and the prompts
+                 Gemma 3, for the 8 targets :data:`OUTPUT_WORDS` (``--quick``: the first 4) and the prompts
                  :data:`OUTPUT_PROMPTS`, the four methods of ``powerlens steer --objective
                  token`` (closed form at the paper-rule alpha, closed form with alpha for the
                  token objective, gradient rank-1 dO, activation addition; the two optimised
@@ -90,6 +90,8 @@ MAX_KL = 0.5               # mean KL(p_base || p_edited) allowed over the contro
 TOLERANCE = 1e-3           # slack on both, the optimiser's own feasibility slack being smaller
 SHARE_NEEDED = 0.75        # the output claim holds on a model when an optimised edit reaches this share
 QUICK_STEPS = 20           # Adam steps per target with --quick (the full run: the optimiser's default)
+QUICK_TARGETS = 4          # with --quick the first 4 of OUTPUT_WORDS (the closed-form start's 71 head
+                           # evaluations per target, not the Adam steps, bound the quick run)
 OPTIMISED = ("gradient", "activation_addition")
 METHOD_LABELS = {"closed_form_paper_alpha": "closed form, paper α", "closed_form_token_alpha": "closed form, token α",
                  "gradient": "gradient ΔO, rank 1", "activation_addition": "activation addition"}
@@ -134,7 +136,7 @@ def output_claim_numbers(model, prompts: Sequence[str], target_ids: Sequence[int
     layers = model.layers
     ids = [int(t) for t in target_ids]
     x0, valid = (np.asarray(a) for a in embed(model, list(prompts)))
-    rows = unembedding_matrix(model)[ids]
+    rows = unembedding_matrix(model, rows=ids)
     U = rows / np.linalg.norm(rows, axis=-1, keepdims=True)        # the targets' unit read-out rows, as in token.py
     X, vb = entering_states(layers, x0, valid, rule="paper")
     paper_alpha = [alignment_alpha(layers, X, u, target=alignment_target, valid=vb, w="value", signed=False).alpha
@@ -225,9 +227,10 @@ def section_verdict(paper: str, output: str) -> str:
 def _output_chunk(name: str, ctx) -> dict:
     from ..steering import parse_direction
     model = _load(name)
-    ids = [int(parse_direction(f"token:{w}", model=model).token_id) for w in OUTPUT_WORDS]
+    words = OUTPUT_WORDS[:QUICK_TARGETS] if ctx.quick else OUTPUT_WORDS
+    ids = [int(parse_direction(f"token:{w}", model=model).token_id) for w in words]
     res = output_claim_numbers(model, OUTPUT_PROMPTS, ids, steps=QUICK_STEPS if ctx.quick else None, seed=ctx.seed)
-    for t, w in zip(res["targets"], OUTPUT_WORDS):
+    for t, w in zip(res["targets"], words):
         t["word"] = w
     return {"model": name, **res}
 
@@ -385,7 +388,8 @@ def output_claim_text(outputs: Mapping[str, dict], summaries: Mapping[str, dict]
     s = (f"Output claim: {verdict} (threshold: the gradient ΔO or activation addition reaches p(target) ≥ "
          f"{TARGET_PROB} at each of the {len(any_row['prompts'])} prompts with mean control KL ≤ {MAX_KL} for ≥ "
          f"{SHARE_NEEDED:.0%} of the {k} targets, on every model; "
-         + (f"--quick: {steps} Adam steps per target, the full run uses the optimiser's default" if quick and steps
+         + (f"--quick: {k} targets and {steps} Adam steps per target, the full run uses {len(OUTPUT_WORDS)} and the "
+               f"optimiser's default" if quick and steps
             else "the optimiser's default Adam steps") + "). ")
     per = []
     for name, by in summaries.items():

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..models.layout import unembedding_matrix  # noqa: F401  (re-exported: the read-out rows (V, d))
+from ..models.layout import unembedding_matrix, vocabulary_rows  # noqa: F401  (unembedding_matrix re-exported: the read-out rows (V, d))
 
 
 @dataclasses.dataclass
@@ -110,10 +110,11 @@ def word_token_id(model, word: str):
 def token_direction(model, word: str) -> Direction:
     """Unit unembedding direction of WORD's token (see :func:`word_token_id`)."""
     tid, text = word_token_id(model, word)
-    W = unembedding_matrix(model)
-    if not 0 <= tid < W.shape[0]:
-        raise ValueError(f"token {text!r} has id {tid} outside the read-out matrix of {W.shape[0]} rows")
-    return Direction(as_direction(W[tid], name=f"unembedding row of {text!r}"), "token", f"token:{word}",
+    V = vocabulary_rows(model)
+    if not 0 <= tid < V:
+        raise ValueError(f"token {text!r} has id {tid} outside the read-out matrix of {V} rows")
+    row = unembedding_matrix(model, rows=[tid])[0]
+    return Direction(as_direction(row, name=f"unembedding row of {text!r}"), "token", f"token:{word}",
                      token_id=tid, token=text)
 
 

@@ -391,7 +391,7 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
     or token-id lists (default :data:`CONTROL_PROMPTS`)."""
     from ..models.base import Model
     from ..models.embed import embed_ids
-    from ..models.layout import unembedding_matrix
+    from ..models.layout import unembedding_matrix, vocabulary_rows
     if not isinstance(model, Model) or model.info is None or not model.info.decoder:
         raise ValueError("objective='token' needs a loaded causal decoder (its LM head gives the next-token "
                          "distribution), not bare layers")
@@ -405,18 +405,19 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
     layers = model.layers
     l = layer_index(layers, layer)
-    V_head = unembedding_matrix(model)
+    vocab = vocabulary_rows(model)
     ids = np.atleast_1d(np.asarray(targets))
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"targets must be a token id or a list of token ids for objective='token', got {targets!r}")
-    if ids.min() < 0 or ids.max() >= V_head.shape[0]:
-        raise ValueError(f"target token id {int(ids.max() if ids.max() >= V_head.shape[0] else ids.min())} is outside "
-                         f"the vocabulary [0, {V_head.shape[0]})")
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"target token id {int(ids.max() if ids.max() >= vocab else ids.min())} is outside "
+                         f"the vocabulary [0, {vocab})")
     levels = check_probability(target_prob, "target_prob")
     levels = np.broadcast_to(levels, ids.shape) if levels.ndim == 0 or levels.size == 1 else levels
     if levels.shape != ids.shape:
         raise ValueError(f"target_prob has {levels.size} levels for {ids.size} targets")
-    U = V_head[ids] / np.linalg.norm(V_head[ids], axis=-1, keepdims=True)
+    U = unembedding_matrix(model, rows=ids)
+    U = U / np.linalg.norm(U, axis=-1, keepdims=True)
     dtype = layers.W_v.dtype
     x0 = np.asarray(x0, dtype)
     x0 = x0[None] if x0.ndim == 2 else x0
