@@ -190,7 +190,7 @@ def run(args) -> dict:
             cpu.append(time.process_time() - c0)
         timings[name] = (min(wall), min(cpu))
         print(f"jax {name}: first call (compile + run) {t_first:.2f} s, compile ~{t_first - min(wall):.2f} s, "
-              f"run {min(wall):.3f} s wall, {min(cpu):.3f} s CPU (best of {args.reps})")
+              f"timed {min(wall):.3f} s wall, {min(cpu):.3f} s CPU (best of {args.reps})")
     best = min(timings, key=lambda k: timings[k][0])
     t_jax, c_jax = timings[best]
 

@@ -64,7 +64,7 @@ def worker(args) -> dict:
     from powerlens.sweeps.engine import Engine
     from powerlens.sweeps.spec import load_spec
     spec = load_spec(spec_of(args, args.systems))
-    chunk = Engine(spec, None, progress=False).chunks[0].size
+    chunk = Engine(spec, None, progress=False).plan[0].size
     # the processes of one group share the folder the launcher made (every one writes its chunks there)
     tmp = args.tmp if args.coordinator else tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
     warm_spec = spec_of(args, chunk * jax.process_count())
@@ -207,6 +207,7 @@ def main(argv=None):
                                     f"{args.heads} heads, {args.tokens} tokens, softmax, T = {args.steps}, paper "
                                     "rule, every measure, float32, each variant in a fresh process after a "
                                     "compiling warm-up.")
+    return one, many, two
 
 
 def measure(args):

@@ -94,6 +94,20 @@ def test_gpu_script_runs_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_sweep_script_tiny(tmp_path):
+    """benchmarks/sweep.py on a tiny workload: each variant ran in its own process(es) with the
+    device and process counts it names, swept every system, and resuming from a finished folder
+    computed nothing (the "computed fraction" of the half-present run is what was removed)."""
+    import sweep
+    one, many, two = sweep.main(["--systems", "64", "--steps", "4", "--kernel-systems", "16", "--tmp", str(tmp_path),
+                                 "--no-doc"])
+    assert (one["devices"], one["processes"]) == (1, 1)
+    assert (many["devices"], many["processes"]) == (os.cpu_count() or 1, 1)
+    assert (two["devices"], two["processes"]) == (2, 2)
+    assert one["systems"] == many["systems"] == two["systems"] == 64
+    assert 0 < one["resume_computed_fraction"] <= 1 and many["kernel_systems"] == 16
+
+
 def test_memory_script_quick(tmp_path, capsys):
     """benchmarks/memory.py --quick: every case ran in its own process and reported its peaks; the
     JSON holds what was printed. Sanity only (no memory bound is asserted here)."""

@@ -175,6 +175,16 @@ def test_benchmark_tables_are_their_results_files():
         assert f"- command: `python benchmarks/{script}.py" in doc
 
 
+def test_every_benchmark_has_its_results_file():
+    """docs/benchmarks/ holds one file per benchmark script (each script that writes one, through
+    benchdoc), and nothing else."""
+    import glob
+    scripts = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
+                     if "benchdoc.add_doc_option(" in open(p, encoding="utf-8").read() and not p.endswith("benchdoc.py"))
+    files = sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, "docs", "benchmarks")) if f.endswith(".md"))
+    assert len(scripts) >= 8 and files == scripts, (scripts, files)
+
+
 MACHINE_PATH = re.compile("|".join(("/" + "work/", "/" + "root/", r"/tmp/[a-z]")))  # split: no such path here
 HISTORY = re.compile(r"\bsessions?\b|\bruns? \d+\b|\bthis run\b|\bminutes earlier\b", re.I)
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
