@@ -149,3 +149,39 @@ def test_cli_token_only_options_need_the_token_objective(tmp_path, capsys):
     code = main(["steer", "smollm2", "--text", "Hi", "--direction", "token: London", "--layer", "3",
                  "--out", str(tmp_path / "o")])
     assert code == 2 and "--layer needs --objective token" in capsys.readouterr().err
+
+
+def test_w_alpha_is_the_closed_form_ray_with_only_alpha_learned():
+    """objective='token', param='w_alpha': the edit stays on the closed-form ray, dO = alpha u w^T
+    with w the start's w (rank 1, the same direction of w_cf), and the learned alpha is the
+    smallest one on that ray whose edit reaches target_prob at every prompt. That smallest alpha
+    is found here independently: p(target) of pl.steered_model(model, alpha u w^T) through
+    run_states(rule='full') and pl.logits on a fine grid of alpha, refined by bisection on the
+    first crossing (the KL bound, 5 nats, does not bind)."""
+    model = tiny_decoder(2, vocab=3)
+    ids = np.array([[1, 0, 2], [2, 1, 0]])
+    valid = np.array([[True, True, True], [True, True, False]])
+    x0, valid = pl.embed_ids(model, ids, valid)
+    res = pl.optimize_steering(model, x0, 1, objective="token", valid=valid, param="w_alpha", target_prob=0.6,
+                               max_kl=5.0, controls=[[1, 2, 0]], steps=200, lr=1e-2)
+    assert res.feasible[0] and res.delta_rank(0) == 1
+    dO = res.delta_O[0]
+    u = np.asarray(res.directions[0], np.float64)
+    w = u @ dO                                        # dO = alpha u w^T with ||u|| = 1 -> alpha w
+    np.testing.assert_allclose(dO, np.outer(u, w), atol=1e-6 * np.abs(dO).max())
+    w_hat = w / np.linalg.norm(w)
+    V = np.asarray(model.layers.W_v[0], np.float64).reshape(H * E, D)      # V_cat (H e, d)
+    w_cf = np.linalg.pinv(V.T) @ u if res.w == "inverse" else V @ u        # rank1.resolve_w's two rules
+    assert abs(w_hat @ w_cf) / np.linalg.norm(w_cf) == pytest.approx(1.0, abs=1e-5)
+    min_p = lambda a: _prob_of(pl.steered_model(model, (a * np.outer(u, w_hat)).astype(np.float32)),
+                               x0, valid, 1).min()
+    grid = np.geomspace(1e-3, 1e3, 241)
+    ok = np.array([min_p(a) >= 0.6 for a in grid])
+    assert ok.any()
+    first = int(np.argmax(ok))
+    lo, hi = (grid[first - 1] if first else 0.0), grid[first]
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if min_p(mid) >= 0.6 else (mid, hi)
+    assert res.norm[0] == pytest.approx(hi, rel=1e-2)
+    assert res.norm[0] == pytest.approx(np.linalg.norm(dO), rel=1e-5)

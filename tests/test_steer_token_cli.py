@@ -48,6 +48,7 @@ def test_cli_token_steering_reaches_the_target(steered):
     assert max(before["target_prob"]) < 0.1                          # the edit did it
     assert grad["control_kl_mean"] <= MAX_KL
     assert grad["feasible"] and grad["delta_rank"] == 1
+    assert doc["controls"] == list(pl.CONTROL_PROMPTS)              # the defaults, recorded as used
 
 
 def test_cli_saved_edit_gives_the_reported_probability(steered):

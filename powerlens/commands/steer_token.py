@@ -68,7 +68,7 @@ def _check(args):
 
 def cmd_steer_token(args) -> int:
     from ..models import embed, load
-    from ..steering import layer_w_choice, minimal_alpha, optimize_steering, parse_direction, rank1
+    from ..steering import CONTROL_PROMPTS, layer_w_choice, minimal_alpha, optimize_steering, parse_direction, rank1
     from ..steering.alpha import check_target
     from ..steering.compare import edit_effects, frontier_point, plot_frontier
     from ..steering.rank1 import layer_index
@@ -122,8 +122,8 @@ def cmd_steer_token(args) -> int:
         notes["activation_addition"] = {"feasible": False, "note": "no feasible vector found; the closed-form ray "
                                         "v = c u at the target probability is reported"}
     conditions = edit_effects(model, texts, edits, target_id=tid, layer=l, controls=controls, paraphrases=paraphrases)
-    for name, extra in notes.items():
-        conditions.setdefault(name, {}).update(extra)
+    for name, extra in notes.items():        # what edit_effects measured wins over the optimiser's own report
+        conditions[name] = {**extra, **conditions.get(name, {})}
     # frontier: target probability against beta over the levels
     xj, vj = x0, valid
     point = lambda e: frontier_point(model, xj, vj, e, target_id=tid, layer=l)
@@ -136,7 +136,8 @@ def cmd_steer_token(args) -> int:
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "direction": direction.to_json(),
            "objective": "token", "layer": l, "w": choice.kind, "w_choice": choice.to_json(),
            "target_prob": args.target_prob, "max_kl": args.max_kl, "rank": args.rank,
-           "prompts": texts, "controls": controls, "paraphrases": paraphrases,
+           "prompts": texts, "controls": list(CONTROL_PROMPTS) if controls is None else controls,
+           "paraphrases": paraphrases,
            "effects": {"layer": l, "target_token": direction.token, "target_id": tid, "conditions": conditions},
            "frontier": {"target_prob_levels": levels,
                         "curves": {k: [{"layer_output_change": b, "target_prob_mean": p} for b, p in v]

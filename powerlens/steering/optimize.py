@@ -415,6 +415,8 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
         wrong size: error); token: a token id or K ids.
       target: alignment in (0, 1); reduce: ``mean`` or ``min`` over valid final tokens.
       param: ``w_alpha`` or ``lowrank`` (with ``rank`` r >= 1); token also ``activation``.
+        Under the alignment objective ``w_alpha`` learns w and alpha; under the token
+        objective it is the closed-form ray u w_cf^T with only alpha learned.
       steps, lr, mu: Adam steps and step size, augmented-Lagrangian penalty (defaults:
         300, 1e-2, 100 for alignment; 300, 3e-3, 10 for token); dual_every: multiplier
         updates; tol: feasibility slack (default 1e-4 on the alignment; 0 for the token

@@ -12,7 +12,7 @@ stream), the model's final norm once, its LM head and soft-capping
 (:func:`powerlens.models.forward.logits`). The edit E of unique layer l (param)::
 
     "lowrank"     W_o[l] += dO = n0 P Q^T            (P (d, r), Q (H e, r)),  ||E|| = ||dO||_F
-    "w_alpha"     W_o[l] += dO = e^a u w^T           (a scalar, w (H e,)),    the closed-form ray's family
+    "w_alpha"     W_o[l] += dO = e^a u w_cf^T        (only a learned; w_cf fixed), the closed-form ray
     "activation"  h += v = n0 s at every token of the output of the last step applying l,
                   ||E|| = ||v||  (activation addition)
 
@@ -181,6 +181,16 @@ def edit_of(params, u, n0, param: str):
     return edit_factors(params, u, n0, param)
 
 
+def learned(params, param: str):
+    """The parameters as the optimiser sees them. ``w_alpha`` is the closed-form ray itself:
+    no gradient reaches w (so Adam's update of it is exactly 0 and it stays the closed form's
+    unit w_cf) and only the scale e^a is learned, so the paper's edit is one point of the
+    family the optimiser searches."""
+    if param == "w_alpha":
+        return {"a": params["a"], "w": jax.lax.stop_gradient(params["w"])}
+    return params
+
+
 def _size(params, n0, param: str):
     """||E||^2 / n0^2."""
     if param == "activation":
@@ -218,10 +228,10 @@ def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, par
                               param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
 
     def constraints(p):
-        g, lp_t, _ = score(edit_of(p, u, n0, param))
+        g, lp_t, _ = score(edit_of(learned(p, param), u, n0, param))
         return g, jnp.min(lp_t)
 
-    return constrained_adam(lambda p: _size(p, n0, param), constraints, params0, steps=steps, lr=lr, mu=mu,
+    return constrained_adam(lambda p: _size(learned(p, param), n0, param), constraints, params0, steps=steps, lr=lr, mu=mu,
                             dual_every=dual_every, tol=tol, lr_floor=lr_floor)
 
 

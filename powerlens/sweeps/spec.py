@@ -590,13 +590,13 @@ def _check_precision(spec: Spec, values, at) -> None:
 
 
 def _check_model(spec: Spec, where) -> None:
-    """The model exists; ``layers = "all"`` becomes the list of its unique layers (which loads
-    it; a list of layers is checked against the model when the sweep starts)."""
+    """The model exists; ``layers`` becomes the 0-based numbers of the layers it names (which
+    loads the model): every unique layer for ``"all"``, a list checked against the model, a
+    negative index counted from the last layer (see :func:`~.systems.model_layers`)."""
     from ..models.load import resolve
     try:
         resolve(spec.model["name"])
     except ValueError as exc:
         _fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")
-    if spec.model["layers"] == "all":
-        from .systems import model_layers
-        spec.model["layers"] = model_layers(spec)
+    from .systems import model_layers
+    spec.model["layers"] = model_layers(spec)

@@ -324,16 +324,24 @@ def _model_spectrum(name: str, layer: int):
 
 
 def model_layers(spec) -> list:
-    """The layers a [model] sweep iterates: its list, each checked, or every unique layer for
-    ``"all"`` (the model is loaded: cached)."""
+    """The layers a [model] sweep iterates, as 0-based layer numbers: its list, each checked and
+    a negative index counted from the end as in Python (-1: the last layer), or every unique
+    layer for ``"all"`` (the model is loaded: cached). The sweep's rows, table, figures and
+    report carry these numbers, so ``layers = [-1]`` gives rows of layer U - 1, not -1."""
     name, layers, source = spec.model["name"], spec.model["layers"], spec.source
     U = _model(name).layers.n_unique
     if layers == "all":
         return list(range(U))
+    out = []
     for layer in layers:
         if not -U <= layer < U:
-            raise ValueError(f"{source}: [model] layers: layer {layer} does not exist ({name} has {U} unique layers)")
-    return list(layers)
+            raise ValueError(f"{source}: [model] layers: layer {layer} does not exist ({name} has {U} unique layers: "
+                             f"0..{U - 1}, or -{U}..-1 counted from the last)")
+        number = layer % U
+        if number in out:
+            raise ValueError(f"{source}: [model] layers: {list(layers)} names layer {number} twice")
+        out.append(number)
+    return out
 
 
 def check_model(spec) -> Dict[str, int]:
@@ -399,9 +407,9 @@ def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:
     name, prompts = spec.model["name"], tuple(spec.model["prompts"])
     model = _model(name)
     layer = int(point["layer"])
-    if not -model.layers.n_unique <= layer < model.layers.n_unique:   # model_layers checked the spec's
+    if not 0 <= layer < model.layers.n_unique:          # model_layers made the spec's 0-based
         raise ValueError(f"{spec.source}: [model] layers: layer {layer} does not exist "
-                         f"({name} has {model.layers.n_unique} unique layers)")
+                         f"({name} has {model.layers.n_unique} unique layers: 0..{model.layers.n_unique - 1})")
     dt = np.float64 if point["x64"] else np.float32
     one = jax.tree_util.tree_map(lambda a: np.asarray(a, dt) if np.issubdtype(np.asarray(a).dtype, np.floating)
                                  else np.asarray(a), model.layers.shared(layer, int(point["steps"])))
