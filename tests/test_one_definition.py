@@ -431,3 +431,31 @@ def test_simulate_the_sweep_and_trace_take_their_observers_from_the_one_bundle(m
     assert out["states"].shape == (6, 2, 4, 6) and out["attention"].shape == (5, 2, 1, 4, 4)   # steps-first
     with pytest.raises(ValueError, match="'final' is a name of the bundle"):
         observers.run_observers(subs, extras={"final": observers.final()})
+
+
+def test_sweep_system_rows_of_a_float64_sweep_have_their_eigenvalues_in_F_itself(tmp_path):
+    """The eigenvalues of a rebuilt row, read off F = W_o V_cat of the rebuilt weights themselves
+    (not the builder's facts), equal the row's lambda1/lambda2 columns to 1e-6 in a float64 sweep
+    (x64 = true): the head split carries F to rounding, so only LAPACK's own error remains. The
+    two leading eigenvalues in the shifted ordering (largest |1 + lambda|) are compared, a pair's
+    imaginary part by its modulus."""
+    import powerlens as pl
+    spec = {"name": "rebuilt64", "seed": 5, "grid": {"beta": np.geomspace(0.25, 16.0, 10).tolist()},
+            "system": {"d": 6, "tokens": 5, "heads": 3, "replicates": 2, "pair": 0.5, "nonnormality": 0.3,
+                       "kind": "nonnormal", "init": "sphere"},
+            "run": {"steps": 8, "x64": True}}
+    out = str(tmp_path / "syn64")
+    df = pl.sweep(spec, out=out, progress=False, report_files=False)
+    for i in np.random.default_rng(1).choice(len(df), 20, replace=False):
+        row = df.iloc[int(i)]
+        s = pl.sweep_system(out, row)
+        W_v, W_o = np.asarray(s.layers.W_v[0]), np.asarray(s.layers.W_o[0])       # (H, e, d), (d, H e)
+        assert W_v.dtype == W_o.dtype == np.float64
+        F = W_o @ W_v.reshape(-1, W_v.shape[-1])                                   # F = O V_cat, (d, d)
+        ev = np.linalg.eigvals(F)
+        ev = ev[np.argsort(-np.abs(1 + ev), kind="stable")]
+        top = ev[0]
+        second = next(e for e in ev[1:] if abs(e - np.conj(top)) > 1e-9)     # past the conjugate of a pair
+        got = [top.real, abs(top.imag), second.real, abs(second.imag)]
+        want = [row.lambda1_re, abs(row.lambda1_im), row.lambda2_re, abs(row.lambda2_im)]
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=f"row {i}")
