@@ -185,3 +185,30 @@ def test_w_alpha_is_the_closed_form_ray_with_only_alpha_learned():
         lo, hi = (lo, mid) if min_p(mid) >= 0.6 else (mid, hi)
     assert res.norm[0] == pytest.approx(hi, rel=1e-2)
     assert res.norm[0] == pytest.approx(np.linalg.norm(dO), rel=1e-5)
+
+
+def test_returned_edits_end_on_the_boundary_of_the_feasible_set():
+    """The returned edit of each method is minimal along its own ray: with the KL bound slack
+    (5 nats), the worst prompt's p(target), recomputed with pl.steered_model (or the activation
+    model) through run_states(rule='full') and pl.logits, is at target_prob (to 1e-3), and 0.99
+    times the same edit no longer reaches it at every prompt."""
+    from powerlens.steering.compare import activation_model
+    model = tiny_decoder(2, vocab=3)
+    ids = np.array([[1, 0, 2], [2, 1, 0]])
+    valid = np.array([[True, True, True], [True, True, False]])
+    x0, valid = pl.embed_ids(model, ids, valid)
+    kw = dict(objective="token", valid=valid, target_prob=0.6, max_kl=5.0, controls=[[1, 2, 0]], steps=150, lr=1e-2)
+    for param in ("lowrank", "activation", "w_alpha"):
+        res = pl.optimize_steering(model, x0, [1, 2], param=param, **kw)
+        assert res.feasible.any(), param
+        assert np.all(res.shrink[res.feasible] <= 1.0) and np.all(res.shrink[res.feasible] > 0.0)
+        for k, t in enumerate((1, 2)):
+            if not res.feasible[k]:
+                continue
+            if param == "activation":
+                edited = lambda s: activation_model(model, s * res.vector[k])
+            else:
+                edited = lambda s: pl.steered_model(model, (s * res.delta_O[k]).astype(np.float32))
+            p_min = _prob_of(edited(1.0), x0, valid, t).min()
+            assert 0.6 - 1e-6 <= p_min <= 0.6 + 1e-3, (param, t, p_min)
+            assert _prob_of(edited(0.99), x0, valid, t).min() < 0.6, (param, t)

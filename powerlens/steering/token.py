@@ -35,6 +35,12 @@ alpha is found by a scan of log alpha over [-10, 10] (41 points) and bisection i
 first bracket where min_b p(t | b) crosses ``target_prob`` (the largest min_b p on the grid
 when it never does; ``closed_feasible`` says which). n0 is that start's norm (when the ray
 never gets there, at least a tenth of the layer's own scale, so the start is not a vanishing edit).
+
+End: Adam's best feasible iterate E is moved to the boundary of the feasible set along its own
+ray, s E with the smallest s in (0, 1] that stays feasible (:func:`boundary_scale`): Adam's
+first steps overshoot to p(target) near 1, and where both constraints are then slack a smaller
+multiple of the same edit is feasible too. Every method thus ends where a constraint is active,
+as the closed form at the token alpha does, so their sizes are compared on equal terms.
 """
 from __future__ import annotations
 
@@ -198,6 +204,31 @@ def _size(params, n0, param: str):
     return _delta_sq(params, param) / (n0 * n0 if param == "w_alpha" else 1.0)
 
 
+def scaled(edit, s):
+    """The edit s E: (s fP, fQ) for a factored dO, s v for a vector."""
+    return (s * edit[0], edit[1]) if isinstance(edit, tuple) else s * edit
+
+
+def boundary_scale(score, edit, *, tol: float, iters: int, dtype):
+    """The smallest s in (0, 1] (to 2^-iters) at which s E still meets every constraint, E a
+    feasible edit: bisection on s with s = 1 feasible kept as the upper end.
+
+    Adam's best feasible iterate can lie inside the feasible set, both constraints slack
+    (p(target) near 1 at every prompt, the control KL below its bound): its norm is then not
+    minimal, since a smaller multiple of the same edit is feasible too. Along the ray s E the
+    norm is s ||E||, and at s = 0 the target constraint fails (the unedited model does not
+    reach ``target_prob``, or the scale goes to 2^-iters), so the bisection ends where a
+    constraint becomes active. Where feasibility along the ray is not monotone the result is
+    still feasible (the upper end always is), though perhaps not the smallest such s. A scaled
+    edit must meet the constraints with a margin of 100 ulp of ``dtype`` (in log p and nats),
+    so that the same numbers recomputed on another path (the model's own forward pass, as
+    :func:`~.compare.edit_effects` does) still find it feasible."""
+    margin = 100 * float(jnp.finfo(dtype).eps)
+    feasible = lambda t: jnp.all(score(scaled(edit, t))[0] <= tol - margin)
+    _, hi = bisect_increasing(feasible, jnp.asarray(0.0, dtype), jnp.asarray(1.0, dtype), iters)
+    return hi
+
+
 def ray_start(min_logp, log_target, dtype, bisect_iters: int):
     """log alpha of the closed-form start (module docstring) and whether it is feasible, for
     ``min_logp(log_alpha)`` = min over prompts of log p(target)."""
@@ -268,18 +299,19 @@ def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_tar
     sol = token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params, n0, layer=layer, tail=tail,
                      n_prompts=n_prompts, param=param, max_kl=max_kl, steps=steps, lr=lr, mu=mu,
                      dual_every=dual_every, tol=tol, lr_floor=lr_floor)
-    best = sol["params"]
     found = jnp.isfinite(sol["size"])
-    _, lp_t, kl = score(edit_of(best, u, n0, param))
+    shrink = boundary_scale(score, edit_of(sol["params"], u, n0, param), tol=tol, iters=bisect_iters, dtype=dtype)
+    shrink = jnp.where(found, shrink, 1.0)
+    edit = scaled(edit_of(sol["params"], u, n0, param), shrink)
+    _, lp_t, kl = score(edit)
     nan = lambda a: jnp.where(found, a, jnp.nan)
     if param == "activation":
-        vec = n0 * best["s"]
-        fP, fQ, norm = vec[:, None], jnp.ones((1, 1), dtype), jnp.linalg.norm(vec)
+        fP, fQ, norm = edit[:, None], jnp.ones((1, 1), dtype), jnp.linalg.norm(edit)
     else:
-        fP, fQ = edit_factors(best, u, n0, param)
+        fP, fQ = edit
         norm = factor_norm(fP, fQ)
     return {"factor_P": nan(fP), "factor_Q": nan(fQ), "norm": nan(norm), "target_prob": nan(jnp.exp(lp_t)),
-            "control_kl": nan(kl), "feasible": found,
+            "control_kl": nan(kl), "feasible": found, "shrink": nan(shrink),
             "closed_alpha": alpha_cf, "closed_norm": n0, "closed_target_prob": jnp.exp(cf_lp),
             "closed_control_kl": cf_kl, "closed_feasible": cf_feasible, "multiplier": sol["multiplier"],
             "history_min_target_prob": jnp.exp(sol["history_aux"]), "history_norm": jnp.sqrt(sol["history_size"]) * n0}
@@ -301,7 +333,9 @@ class TokenSteeringResult:
     ``param`` "lowrank"/"w_alpha": delta_O (K, d, H e) = factor_P factor_Q^T; "activation":
     ``vector`` (K, d), the vector added to the edited layer's output. norm (K,): ||delta_O||_F
     or ||v||; target_prob (K, B) reached at each prompt; control_kl (K,) the mean KL over
-    the controls; feasible (K,). The closed-form start along the ray (module docstring):
+    the controls; feasible (K,); shrink (K,) the factor s <= 1 that moved Adam's best feasible
+    edit to the boundary of the feasible set (:func:`boundary_scale`; the edit returned is the
+    scaled one). The closed-form start along the ray (module docstring):
     closed_alpha, closed_norm, closed_target_prob (K, B), closed_control_kl, closed_feasible.
     """
 
@@ -313,6 +347,7 @@ class TokenSteeringResult:
     target_prob: np.ndarray
     control_kl: np.ndarray
     feasible: np.ndarray
+    shrink: np.ndarray
     closed_alpha: np.ndarray
     closed_norm: np.ndarray
     closed_target_prob: np.ndarray
@@ -354,7 +389,7 @@ class TokenSteeringResult:
                 "layer": self.layer, "w": self.w, "target_id": int(self.target_ids[i]),
                 "target_prob_level": f(self.target_prob_level), "max_kl": self.max_kl, "norm": f(self.norm),
                 "target_prob": np.asarray(self.target_prob[i]).tolist(), "control_kl": f(self.control_kl),
-                "feasible": bool(self.feasible[i]), "closed_alpha": f(self.closed_alpha),
+                "feasible": bool(self.feasible[i]), "shrink": f(self.shrink), "closed_alpha": f(self.closed_alpha),
                 "closed_norm": f(self.closed_norm), "closed_target_prob": np.asarray(self.closed_target_prob[i]).tolist(),
                 "closed_control_kl": f(self.closed_control_kl), "closed_feasible": bool(self.closed_feasible[i])}
 
