@@ -300,9 +300,9 @@ def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_tar
                      n_prompts=n_prompts, param=param, max_kl=max_kl, steps=steps, lr=lr, mu=mu,
                      dual_every=dual_every, tol=tol, lr_floor=lr_floor)
     found = jnp.isfinite(sol["size"])
-    shrink = boundary_scale(score, edit_of(sol["params"], u, n0, param), tol=tol, iters=bisect_iters, dtype=dtype)
-    shrink = jnp.where(found, shrink, 1.0)
-    edit = scaled(edit_of(sol["params"], u, n0, param), shrink)
+    best = edit_of(sol["params"], u, n0, param)
+    shrink = jnp.where(found, boundary_scale(score, best, tol=tol, iters=bisect_iters, dtype=dtype), 1.0)
+    edit = scaled(best, shrink)
     _, lp_t, kl = score(edit)
     nan = lambda a: jnp.where(found, a, jnp.nan)
     if param == "activation":
