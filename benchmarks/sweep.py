@@ -13,7 +13,7 @@ results.parquet written; no figures).
 2. all host devices of one process (``--xla_force_host_platform_device_count=N``, N = cores);
 3. 2 processes x 1 device (jax.distributed on 127.0.0.1, gloo collectives), each worker's XLA
    single-threaded as ``powerlens sweep --processes 2`` runs them on 2 cores
-   (:func:`powerlens.sweeps.distributed.worker_env`);
+   (:func:`powerlens.runtime.threads.worker_env`);
 4. the hand-tuned variant of benchmarks/simulate.py (one ``jit(shard_map(lax.map(vmap(simulate))))``
    call over the N host devices, chunks of 8, systems prebuilt on the host, not timed) on
    ``--kernel-systems`` systems of the same shapes, in the process of (2): systems per
@@ -55,11 +55,11 @@ def timed_sweep(spec, out, **kw):
 
 def worker(args) -> dict:
     """One variant, in this process (see the module docstring); prints one JSON line."""
-    from powerlens.sweeps import distributed
+    from powerlens.runtime import distributed, threads
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=120) \
         if args.coordinator else False
     if multi:
-        distributed.start_xla()                     # one XLA thread when worker_env asked (as `powerlens sweep`)
+        threads.start_xla()                         # one XLA thread when worker_env asked (as `powerlens sweep`)
     import jax
     from powerlens.sweeps.engine import Engine
     from powerlens.sweeps.spec import load_spec
@@ -146,12 +146,12 @@ def _launch(args, extra, devices, n=1):
     if n == 1:
         procs = [subprocess.Popen(base, stdout=subprocess.PIPE, text=True, env=_env(devices))]
     else:
-        from powerlens.sweeps.distributed import free_port
+        from powerlens.runtime.distributed import free_port
         addr = f"127.0.0.1:{free_port()}"
         shared = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
         at = base.index("--tmp") + 1
         base = base[:at] + [shared] + base[at + 1:]
-        from powerlens.sweeps.distributed import worker_env
+        from powerlens.runtime.threads import worker_env
         env = worker_env(n)                         # what `powerlens sweep --processes n` gives its workers
         env.update({k: v for k, v in _env(devices).items() if k != "XLA_FLAGS"})
         env["XLA_FLAGS"] = (_env(devices)["XLA_FLAGS"] + " " + worker_env(n).get("XLA_FLAGS", "")).strip()

@@ -53,8 +53,8 @@ def main(argv=None) -> dict:
         texts = ["The cat sat on the mat.", "Paris is in France."] if args.quick else DEFAULT_TEXTS
 
     model = pl.load(args.model)
-    res = pl.align(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
-                      seed=args.seed)
+    res = pl.align(model, texts, dynamics=pl.Dynamics(rule=args.rule), shared_layer=args.shared_layer,
+                   steps=args.steps, seed=args.seed)
     print(f"{args.model}: rule {res.rule}, {res.mode}, {res.n_prompts} prompts, {res.n_tokens} tokens")
     print(f"{'t':>3} {'layer':>5} {'γ shifted':>9} {'γ plain':>8} {'chance':>7} {'ρ shifted':>9} "
           f"{'ρ random':>8} {'ρ other':>8} {'p-value':>9} {'ρ plain':>8}")

@@ -34,7 +34,8 @@ DEFAULT_TEXTS = ["My favourite city is", "The weather today is", "For dinner we 
 
 def paper_final_cos(layers, x0, valid, u):
     """cos(x_i, u) of every valid token after all layers of the `paper` dynamics (flat)."""
-    Y = np.asarray(pl.run_batch(layers, x0, valid, rule="paper", observe=("final",))["final"], np.float64)
+    Y = np.asarray(pl.run_batch(layers, x0, valid, dynamics=pl.Dynamics.paper(), observe=("final",))["final"],
+                   np.float64)
     return ((Y @ u) / np.linalg.norm(Y, axis=-1))[np.asarray(valid)]
 
 

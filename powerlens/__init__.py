@@ -10,18 +10,18 @@ The whole tour in one namespace::
     spectra = pl.spectra_of(layers)                               # both orderings, per layer
     subs = pl.reference_subspaces(spectra)                        # principal + random + other layer
     x0 = pl.sphere_tokens(np.random.default_rng(0), 16, 8)        # (n, d)
-    out = pl.run(layers, x0, None, rule="paper", attention="softmax",
+    out = pl.run(layers, x0, None, dynamics=pl.Dynamics(rule="paper", attention="softmax"),   # the default
                  observers={"align": pl.alignment(subs), "consensus": pl.consensus()})
     traj = pl.simulate_batch(layers, x0[None], subs)              # every measure, vmapped over prompts
 
     # a pretrained model
     model = pl.load("minilm")                                     # or smollm2, a folder, a .gguf
     x0, valid = pl.embed(model, ["The cat sat on the mat."])
-    res = pl.align(model, ["The cat sat on the mat."], rule="paper")
+    res = pl.align(model, ["The cat sat on the mat."], dynamics=pl.Dynamics.faithful())
 
     # a decoder's own forward pass, cached: states, attention, gamma/rho by reference, logits
     smol = pl.load("smollm2")
-    tr = pl.trace(smol, ["The capital of France is"], attention_weights=True)
+    tr = pl.trace(smol, ["The capital of France is"], attention_weights=True)   # Dynamics.full(): the model's pass
     tr.gamma["principal"], tr.rho["random"], tr.attention.shape      # "float[T]", "float[T]", (T, B, H, n, n)
     pl.top_tokens(smol, tr.next_logits[0], k=3)                   # [TopToken(id, text=' Paris', prob), ...]
     hs = pl.hidden_states(smol, *pl.embed(smol, ["The capital of France is"]))
@@ -30,7 +30,7 @@ The whole tour in one namespace::
     u = pl.parse_direction("token:king", model=model).vector
     a = pl.minimal_alpha(model.layers, u, x0, valid=valid, target=0.9, w="value").alignment.alpha
     steered = pl.rank1(model.layers, u, alpha=a, w="value")
-    learned = pl.optimize_steering(model.layers, x0, u[None], valid=valid, target=0.9)
+    learned = pl.optimize_steering(model.layers, x0, pl.AlignmentObjective(u, target=0.9), valid=valid)
 
 Names are resolved on first use (PEP 562), so ``import powerlens`` stays cheap and the
 command line starts fast; ``dir(pl)`` and ``pl.__all__`` list them all.
@@ -48,7 +48,7 @@ _EXPORTS = {
         "Layer", "LayerConfig", "Layers", "layer_matrices", "layer_factors", "make_layers", "constant_term", "value_matrix",
         "RULES", "ATTENTION_MODES", "layer_step", "attention_output", "faithful_rule",
         "Subspaces", "null_subspaces", "REFERENCES",
-        "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final", "finite",
+        "Dynamics", "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final", "finite",
         "Schedule",
         "Alignment", "Consensus", "Trajectory", "simulate", "simulate_batch", "pooled")},
     **{n: ("powerlens.dynamics.synthetic", n) for n in (
@@ -68,6 +68,8 @@ _EXPORTS = {
         "Model", "ModelInfo", "CheckpointError")},
     "HiddenStates": ("powerlens.models.forward", "HiddenStates"),
     **{n: ("powerlens.models.generate", n) for n in ("generate", "Generation")},
+    **{n: ("powerlens.models.shard", n) for n in ("shard", "shard_prompts")},
+    "model_mesh": ("powerlens.dynamics.execution", "model_mesh"),
     **{n: ("powerlens.models.tokens", n) for n in ("decode", "top_tokens", "TopToken")},
     # analysis: spectra, statistics, alignment of a model
     **{n: ("powerlens.analysis", n) for n in (
@@ -81,9 +83,10 @@ _EXPORTS = {
     # steering
     **{n: ("powerlens.steering", n) for n in (
         "rank1", "Rank1Result", "minimal_alpha", "MinimalAlpha", "principal_alpha", "alignment_alpha",
-        "optimize_steering", "SteeringResult", "output_effects", "steered_model", "forward_final",
+        "optimize_steering", "SteeringResult", "AlignmentObjective", "TokenObjective", "SteeringConfig", "output_effects", "steered_model", "forward_final",
         "parse_direction", "Direction", "checkpoint_delta", "entering_states",
         "TokenSteeringResult", "CONTROL_PROMPTS", "edit_effects")},
+    **{n: ("powerlens.steering.edit_file", n) for n in ("Edit", "make_edit", "save_edit", "load_edit", "apply_edit")},
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,14 +19,18 @@ import argparse
 import os
 import re
 import sys
-from typing import Optional
+
+from .runtime.cache import compilation_cache as _compilation_cache       # light: neither imports JAX
+from .runtime.threads import limit_blas_threads as _limit_blas_threads
+from .commands.steer_limits import STEER_MAX_PROMPTS, STEER_MAX_STEPS  # noqa: F401  (imports nothing)
 
 # transformers announces at import that torch is missing; torch is never needed here (only
 # tokenizers are used), so the notice would alarm for nothing
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+MODEL_ALIASES = ("minilm", "smollm2", "gemma3")     # powerlens.models.load's ALIASES and ASSEMBLED (tests agree)
 MODEL_HELP = ("a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: "
-              "minilm, smollm2, gemma3")
+              + ", ".join(MODEL_ALIASES))
 
 # The choices of the options, as the library names them (powerlens.dynamics.ATTENTION_MODES and
 # RULES, powerlens.analysis.ORDERS; the tests check that they agree). Written out here so that
@@ -34,6 +38,24 @@ MODEL_HELP = ("a model folder, a .gguf file, a hub id in the local Hugging Face 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
 RULES = ("paper", "post_ln", "pre_ln", "full")
 ORDERS = ("shifted", "plain")
+
+SEED_LIMIT = 2 ** 31          # powerlens.dynamics.synthetic.SEED_LIMIT (a sweep row's int32 seed)
+STEER_DESCRIPTION = """\
+steer moves one layer of a model (or an explicit system) toward a direction u.
+
+  --objective alignment (default): the last layer's output matrix O += alpha u w^T, with alpha
+      given (--alpha) or the smallest one at which every final token of the paper rule has
+      cos(x, u) >= --target-alignment; --optimize learns a rank-r change instead (optax).
+  --objective token (decoders, --direction token:WORD): four methods make WORD the model's own
+      next token at every prompt with p >= --target-prob and mean control KL <= --max-kl:
+      the closed form at the paper's alpha, the closed form at the token's alpha, a learned
+      rank-r dO (--steps Adam steps) and activation addition (--steps Adam steps); the two
+      optimised methods run at the frontier levels 0.1/0.3/0.5/0.9 and --target-prob at once
+      (frontier.png). Progress goes to stderr (--quiet: none).
+
+Writes steer.json, edit.npz (the edit as a file: powerlens.load_edit / apply_edit, or
+steer MODEL --apply edit.npz) and figures; --objective token also delta_O.npy and frontier.png.
+"""
 
 
 def _common_dynamics(p: argparse.ArgumentParser) -> None:
@@ -111,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _system_source(p)
     p.add_argument("--x64", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", action="store_true", help="no progress bar (a large model's layers, one at a time)")
     _output(p)
     p.set_defaults(func=_spectrum)
 
@@ -126,39 +149,54 @@ def build_parser() -> argparse.ArgumentParser:
     _output(p)
     p.set_defaults(func=_align)
 
-    p = sub.add_parser("steer", help="steer the last layer toward a direction with a rank-1 change")
+    p = sub.add_parser("steer", help="steer a layer toward a direction or a next token; save and apply edits",
+                       description=STEER_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_source(p, optional=True)
     p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
     p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
-    p.add_argument("--direction", required=True, help="token:WORD, a .npy vector, or random")
+    p.add_argument("--direction", help="token:WORD, a .npy vector, or random (needed unless --apply)")
+    p.add_argument("--apply", metavar="EDIT",
+                   help="apply a saved edit (edit.npz, written by steer) to MODEL and report its effects on "
+                        "the prompts, instead of learning one")
     p.add_argument("--alpha", type=float, help="the perturbation size alpha (closed form)")
     p.add_argument("--target-alignment", type=float,
-                   help="alignment |cos(x, u)| every final token must reach (default 0.99): the closed form takes "
-                        "the smallest such alpha; --optimize uses it as its constraint")
+                   help="alignment cos(x, u) every final token must reach (default 0.99; signed: the tokens "
+                        "must point toward u, see --sign-free): the closed form takes the smallest such alpha; "
+                        "--optimize uses it as its constraint")
+    p.add_argument("--sign-free", action="store_true",
+                   help="target the sign-free alignment |cos(x, u)| (the paper's gamma) instead of the signed one")
     p.add_argument("--optimize", action="store_true",
                    help="gradient-based steering (optax): min ||dO||_F subject to the target alignment")
-    p.add_argument("--rank", type=int, default=1, help="rank of the learned change with --optimize")
-    p.add_argument("--steps", type=int, default=None, help="Adam steps of --optimize (default 300)")
+    p.add_argument("--rank", type=int, default=1,
+                   help="rank of the learned change with --optimize (1 .. min(d, H*d_head), default 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"Adam steps of --optimize (default 300, at most {STEER_MAX_STEPS}); with --objective token "
+                        f"for each of the two optimised methods, all frontier levels at once")
     p.add_argument("--objective", choices=["alignment", "token"], default="alignment",
                    help="alignment: the paper rule's final-token alignment with the direction (default); token: "
                         "the model's own next-token probability of the direction's token (decoders, "
-                        "--direction token:WORD), with all four methods compared")
+                        "--direction token:WORD), with all four methods compared at the frontier levels "
+                        "0.1/0.3/0.5/0.9 and --target-prob")
     p.add_argument("--target-prob", type=float, default=0.5,
                    help="with --objective token: p(token | prompt) every prompt must reach (default 0.5)")
     p.add_argument("--max-kl", type=float, default=0.5,
                    help="with --objective token: bound on the mean KL(before || after) over the control prompts "
                         "(nats, default 0.5)")
     p.add_argument("--controls", metavar="FILE", help="with --objective token: control prompts, one per line "
-                                                       "(default: a few neutral prompts shipped with powerlens)")
+                                                       f"(at most {STEER_MAX_PROMPTS}; default: a few neutral "
+                                                       "prompts shipped with powerlens)")
     p.add_argument("--paraphrases", metavar="FILE",
                    help="with --objective token: paraphrase prompts, one per line, on which the edits are evaluated "
-                        "(generalisation; three are shipped for \"The capital of France is\")")
-    p.add_argument("--layer", type=int, default=None, help="with --objective token: the edited layer (default the last)")
+                        f"(generalisation; at most {STEER_MAX_PROMPTS}; three are shipped for "
+                        "\"The capital of France is\")")
+    p.add_argument("--layer", type=int, default=None,
+                   help="with --objective token: the edited layer, counted from 0; -1 is the last (the default)")
     p.add_argument("--w", choices=["auto", "inverse", "value"], default="auto",
                    help="closed-form choice of w: inverse (z = u; needs a full-rank value matrix), value "
                         "(w = V_cat u / ||V_cat u||), or auto (default: inverse where possible, else value)")
     _prompt_options(p)
     p.add_argument("--seed", type=int, default=0, help="seed of a random direction and of the optimiser")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     _output(p)
     p.set_defaults(func=_steer)
 
@@ -171,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes for the real models (default: one per model, at most 2 per core; "
                         "1: all in this process)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (sections, the workers' models and sections)")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_reproduce)
     from .commands.sweep import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702
@@ -201,88 +241,139 @@ def _align(args):
     return cmd_align(args)
 
 
-def _steer(args):
+def check_seed(args) -> None:
+    """``--seed``, where a command has one: an integer in 0 .. SEED_LIMIT - 1."""
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"--seed must be an integer in 0 .. {SEED_LIMIT - 1}, got {seed}")
+
+
+def _file(flag: str, path) -> None:
+    if path and not os.path.isfile(path):
+        raise ValueError(f"{flag} file {path!r} does not exist")
+
+
+def _positive(args, *flags: str, what: str = "a positive integer") -> None:
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be {what}, got {value}")
+
+
+def check_model_name(name, allow_download: bool = False) -> None:
+    """MODEL, refused at once when it is certainly unknown: not an alias, not a path, and (a hub
+    id) not in the local Hugging Face cache unless --allow-download (what
+    :func:`powerlens.models.load.resolve` finds, looked up without loading it)."""
+    from .io import hub_cache_path
+    if name is None or name in MODEL_ALIASES or os.path.exists(name):
+        return
+    if ("/" in name or not name.endswith(".gguf")) and (allow_download or hub_cache_path(name) is not None):
+        return
+    raise ValueError(f"cannot find model {name!r}: not an alias ({', '.join(MODEL_ALIASES)}), not a path, and not in "
+                     f"the local Hugging Face cache; to fetch it from the hub, pass --allow-download on a machine "
+                     f"that is online")
+
+
+def check_options(args) -> None:
+    """Every option value, file and model name that can be checked before a numerical library
+    is imported (one line each, exit 2, in under a tenth of a second): counts and ranges,
+    that the files named exist (a sweep spec: that it is readable TOML), that MODEL is known.
+    What needs the model or the arrays (a layer index, a spectrum's text, a file's shapes) is
+    checked where they are read."""
+    import math
+    check_seed(args)
+    cmd = args.command
+    if cmd == "steer":
+        check_steer_options(args)
+    check_model_name(getattr(args, "model", None), getattr(args, "allow_download", False))
+    if cmd in ("simulate", "spectrum"):
+        if args.weights and args.spectrum:
+            raise ValueError("give either --weights or --spectrum, not both")
+        if not (args.weights or args.spectrum or getattr(args, "model", None)):
+            raise ValueError("give either --weights system.npz or --spectrum (a synthetic system)")
+    for flag in ("--weights", "--init", "--prompts", "--controls", "--paraphrases"):
+        _file(flag, getattr(args, flag[2:], None))
+    if cmd in ("simulate", "spectrum"):
+        _positive(args, "--heads", "--dim", what="positive")
+        if not math.isfinite(args.beta):
+            raise ValueError(f"--beta must be finite, got {args.beta}")
+    if cmd == "simulate":
+        _positive(args, "--steps")
+        _positive(args, "--tokens", "--batch", what="positive")
+    if cmd == "align":
+        if not (args.text or args.prompts):
+            raise ValueError("no prompts: give --text \"...\" (repeatable) or --prompts FILE")
+        if (args.shared_layer is None) != (args.steps is None):
+            raise ValueError("--shared-layer and --steps go together")
+        _positive(args, "--steps")
+    if cmd == "steer":
+        d = args.direction or ""
+        if d.endswith(".npy"):
+            _file("--direction", d)
+    if cmd == "sweep":
+        from .io import read_toml
+        from .runtime.distributed import check_init_timeout
+        _positive(args, "--processes", "--num-processes")
+        check_init_timeout(args.init_timeout)
+        read_toml(args.spec)
+    if cmd == "reproduce":
+        _positive(args, "--jobs")
+
+
+def check_steer_options(args) -> None:
+    """steer's option values that need no model (before anything is imported): one line each."""
+    if args.apply is not None:
+        clash = [f for f, v in (("--direction", args.direction), ("--alpha", args.alpha),
+                                ("--target-alignment", args.target_alignment), ("--optimize", args.optimize),
+                                ("--weights", args.weights)) if v]
+        if clash:
+            raise ValueError(f"--apply uses a saved edit; {clash[0]} cannot be combined with it")
+        if not os.path.isfile(args.apply):
+            raise ValueError(f"--apply edit file {args.apply!r} does not exist")
+    elif not args.direction:
+        raise ValueError("give --direction (token:WORD, a .npy vector, or random), or --apply EDIT")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
+    if args.steps is not None and args.steps > STEER_MAX_STEPS:
+        raise ValueError(f"--steps {args.steps} is more than {STEER_MAX_STEPS}, the most Adam steps steer runs")
+    if args.rank < 1:
+        raise ValueError(f"--rank must be a positive integer, got {args.rank}")
     if args.alpha is not None and (args.target_alignment is not None or args.optimize):
         raise ValueError("--alpha fixes the change; it cannot be combined with --target-alignment or --optimize")
+    if args.objective == "alignment" and args.apply is None:
+        token_only = [f for f, v in (("--controls", args.controls), ("--paraphrases", args.paraphrases),
+                                     ("--layer", args.layer)) if v is not None]
+        if token_only:
+            raise ValueError(f"{token_only[0]} needs --objective token")
+        if args.steps is not None and not args.optimize:
+            raise ValueError("--steps sets the Adam steps of --optimize; give --optimize too")
+    if args.alpha is not None:
+        import math
+        if not (math.isfinite(args.alpha) and args.alpha > 0):
+            raise ValueError(f"--alpha must be a finite number > 0, got {args.alpha}")
+        if args.alpha > 3.4028234663852886e38:
+            raise ValueError(f"--alpha {args.alpha:g} overflows float32 (the largest float32 is 3.4e+38); "
+                             f"give a smaller --alpha")
+
+
+def _steer(args):
+    check_steer_options(args)
+    if args.apply is not None:
+        from .commands.steer import cmd_steer_apply
+        return cmd_steer_apply(args)
     if args.objective == "token":
         from .commands.steer_token import cmd_steer_token
         return cmd_steer_token(args)
-    token_only = [f for f, v in (("--controls", args.controls), ("--paraphrases", args.paraphrases),
-                                 ("--layer", args.layer)) if v is not None]
-    if token_only:
-        raise ValueError(f"{token_only[0]} needs --objective token")
     from .commands.steer import cmd_steer
     return cmd_steer(args)
 
 
 def _reproduce(args):
     from .reproduce import cmd_reproduce
-    from .reproduce.workers import single_threaded_main
+    from .runtime.threads import single_threaded_main
+    user_env = dict(os.environ)        # what the workers start from, not this process's one thread
     single_threaded_main(os.environ)   # this process's XLA on one thread (False where JAX had started already)
-    return cmd_reproduce(args)
-
-
-def _limit_blas_threads() -> None:
-    """One BLAS thread unless the user chose otherwise.
-
-    The dense eigen-decompositions run between XLA computations; OpenBLAS worker threads
-    that keep spinning after a call then compete with XLA's own threads for the cores
-    (measured here: 8x slower spectra on a busy 2-core machine). SciPy ships its own OpenBLAS,
-    loaded only when scipy.linalg is first imported, after this runs: the environment
-    variable reaches it (and the worker processes), ``threadpool_limits`` the libraries
-    already loaded. (With the limit on NumPy's OpenBLAS only, SciPy's kept two spinning
-    threads: ``reproduce --quick`` used 178 s of CPU in 100 s, against 158 s in 89 s.)
-    The command line loads no BLAS before this runs, so there the variable is enough and
-    threadpoolctl (its import and its scan of the loaded libraries) is left out.
-    """
-    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
-        return
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    if "numpy" not in sys.modules and "scipy" not in sys.modules:
-        return
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(limits=1, user_api="blas")
-    except Exception:  # pragma: no cover - best effort
-        pass
-
-
-XLA_CACHE_OFF = ("0", "off", "false", "no")
-
-
-def _compilation_cache() -> Optional[str]:
-    """Keep the command's compiled XLA programs in ``cache_dir()/xla`` (JAX's persistent
-    compilation cache), so that a second run with the same shapes skips most compiling:
-    ``reproduce --quick`` spends about 60 s of its CPU time in XLA's compiler, a program
-    of the measured scan about 2 s of it (0.4-0.7 s from the cache). The entries are keyed
-    by JAX on the program, the jax/jaxlib versions and the XLA flags, so results are the
-    bytes the compiler would give. Every program is kept, small ones too: a short command
-    compiles mostly small ones. Off with ``POWERLENS_XLA_CACHE=off``, and where the
-    folder cannot be written; a cache the user chose (``JAX_COMPILATION_CACHE_DIR``) is
-    left as it is. Set through the environment too, so worker processes use the same cache.
-    Returns the folder, or None when off."""
-    if os.environ.get("POWERLENS_XLA_CACHE", "").strip().lower() in XLA_CACHE_OFF:
-        return None
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    from .io import cache_dir
-    folder = os.path.join(cache_dir(), "xla")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError:
-        return None                   # no cache where it cannot be written (JAX would warn on every compile)
-    if not os.access(folder, os.W_OK):
-        return None
-    settings = {"jax_compilation_cache_dir": folder,
-                # every program: a one-prompt align compiles 18, 15 of them small, which together
-                # took longer to compile than the scan's (about 0.25 s against 0.2 s) and read back in a few ms each
-                "jax_persistent_cache_min_compile_time_secs": 0.0,
-                "jax_compilation_cache_max_size": 2 ** 30}                 # bytes, least recently used go first
-    for name, value in settings.items():        # JAX reads each from the variable of its name in capitals
-        os.environ.setdefault(name.upper(), str(value))
-        if "jax" in sys.modules:                 # imported already: its config read the environment before
-            sys.modules["jax"].config.update(name, type(value)(os.environ[name.upper()]))
-    return folder
+    return cmd_reproduce(args, worker_base_env=user_env)
 
 
 _NEGATIVE_VALUE = re.compile(r"^-\.?\d")
@@ -324,6 +415,7 @@ def main(argv=None) -> int:
     _limit_blas_threads()
     _compilation_cache()
     try:
+        check_options(args)                     # before any numerical library is imported
         if args.command in ("simulate", "spectrum", "align", "steer"):     # a refused folder costs no compute
             from .io import decide_folder
             decide_folder(args.out, command=args.command)
@@ -332,10 +424,11 @@ def main(argv=None) -> int:
             with jax.enable_x64(True):          # scoped: a library caller's process keeps its setting
                 return int(args.func(args) or 0)
         return int(args.func(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:            # Ctrl-C; SIGTERM or SIGHUP while workers run (runtime.workers)
         kept = "finished chunks are kept" if args.command in ("reproduce", "sweep") else "nothing was written"
         print(f"powerlens {args.command}: interrupted; {kept}", file=sys.stderr)
-        return 130
+        from .runtime.workers import exit_status
+        return exit_status(exc)
     except Exception as exc:                    # every failure is one line, exit 2 (--debug: the traceback)
         if debug:
             raise

@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fnmatch
+import functools
 import json
 import math
 import os
 import posixpath
 import re
 import shutil
+import socket
+import stat
 import tempfile
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, Optional
 
 import numpy as np
 
@@ -32,6 +34,63 @@ def cache_dir() -> str:
         return os.environ["POWERLENS_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "powerlens")
+
+
+def hf_cache_dir() -> str:
+    """The Hugging Face hub cache folder (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def hub_cache_path(repo_id: str, revision: str = "main") -> Optional[str]:
+    """The snapshot folder of ``repo_id`` in the local HF cache, or None.
+
+    Reads the cache layout directly (``models--org--name/refs/<revision>`` ->
+    ``snapshots/<hash>``): no network, no hub client start-up (and no numerical library: the
+    command line checks a model name with it before importing any).
+    """
+    if not repo_id or repo_id.startswith(("/", ".")) or repo_id.count("/") > 1:
+        return None
+    root = os.path.join(hf_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(root, "snapshots")
+    if not os.path.isdir(snapshots):
+        return None
+    ref = os.path.join(root, "refs", revision)
+    if os.path.isfile(ref):
+        with open(ref) as fh:
+            path = os.path.join(snapshots, fh.read().strip())
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    for name in sorted(os.listdir(snapshots)):   # no ref: any snapshot with a config
+        path = os.path.join(snapshots, name)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    return None
+
+
+def read_toml(path: str) -> dict:
+    """The raw table of a TOML file (a sweep spec); a missing, malformed, non-UTF-8 or too
+    deeply nested file is one ValueError naming the file (and the line, for malformed TOML)."""
+    import tomllib
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the spec ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); "
+                         f"a spec is a UTF-8 TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: malformed TOML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a sweep spec") from None
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -57,7 +116,9 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _atomic(path: str, write) -> str:
+def atomic_write(path: str, write) -> str:
+    """Write ``path`` all or nothing: ``write(fh)`` fills a temporary file in the same folder,
+    which then replaces ``path`` (``os.replace``). Returns ``path``."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
@@ -76,11 +137,11 @@ def _atomic(path: str, write) -> str:
 
 
 def write_text(path: str, text: str) -> str:
-    return _atomic(path, lambda fh: fh.write(text.encode("utf-8")))
+    return atomic_write(path, lambda fh: fh.write(text.encode("utf-8")))
 
 
 def write_bytes(path: str, data: bytes) -> str:
-    return _atomic(path, lambda fh: fh.write(data))
+    return atomic_write(path, lambda fh: fh.write(data))
 
 
 def write_json(path: str, obj: Any) -> str:
@@ -94,7 +155,7 @@ def write_json(path: str, obj: Any) -> str:
 
 
 def save_npy(path: str, arr) -> str:
-    return _atomic(path, lambda fh: np.save(fh, np.asarray(arr)))
+    return atomic_write(path, lambda fh: np.save(fh, np.asarray(arr)))
 
 
 # ------------------------------------------------------------------ output folders
@@ -105,63 +166,120 @@ def save_npy(path: str, arr) -> str:
 
 MARKER = ".powerlens-output"
 """The marker file, JSON ``{"command", "settings", "files", "folders"}``: ``files`` are the
-paths (relative, '/'-separated) of the files powerlens wrote in the folder; ``folders`` maps an
-owned subfolder to the pattern of the paths, relative to it, of the files powerlens writes
-there (fnmatch per '/'-separated part: ``*.json``, ``*/*.json`` one folder down). Resumable
-runs (``sweep``, ``reproduce``) use them: their chunks and figures appear one by one."""
+paths (relative, '/'-separated) of the files powerlens wrote in the folder; ``folders`` the
+subfolders it made there. Resumable runs (``sweep``, ``reproduce``), whose chunks and figures
+appear one by one, list each further file before writing it in a ledger (:func:`claim`)."""
+
+LEDGER = ".powerlens-written-"
+"""Ledgers, ``LEDGER + HOST-PID`` beside the marker: the paths (one a line; a folder ends in
+'/') that one process of a resumable run listed before writing them (:func:`claim`). Each
+process appends to its own ledger only, so processes on several hosts never share a file."""
 
 _BEING_WRITTEN = re.compile(r"\.(.+)\.[A-Za-z0-9_]+\.tmp(?:\.png)?")     # a file's temporary name while written
 
 
 def _relative(path) -> bool:
     """True for a clean relative '/'-separated path that stays inside its folder."""
-    return (isinstance(path, str) and bool(path) and not path.startswith("/")
+    return (isinstance(path, str) and bool(path) and not path.startswith("/") and "\n" not in path
             and all(part not in ("", ".", "..") for part in path.split("/")))
 
 
 @dataclasses.dataclass(frozen=True)
 class Contents:
-    """What powerlens wrote in an output folder, as its marker lists it (nothing without one).
+    """What powerlens wrote in an output folder, as its marker and ledgers list it (nothing
+    without a marker).
 
-    ``files``: relative paths of its files (the marker included); ``folders``: pairs (owned
-    subfolder, pattern of the files below it, see :data:`MARKER`). A file being written
-    (``.NAME.X.tmp``, see :func:`write_text`; ``.NAME.X.tmp.png`` for a figure) counts as ``NAME``.
+    ``files``: relative paths of its files (the marker and the ledgers included); ``folders``:
+    the subfolders it made. A file being written (``.NAME.X.tmp``, see :func:`write_text`;
+    ``.NAME.X.tmp.png`` for a figure) counts as ``NAME``. Nothing is owned by pattern: a file
+    that no list names is the user's.
     """
     files: FrozenSet[str] = frozenset()
-    folders: Tuple[Tuple[str, str], ...] = ()
+    folders: FrozenSet[str] = frozenset()
 
     @classmethod
-    def of(cls, marker: Optional[dict]) -> "Contents":
+    def of(cls, marker: Optional[dict], ledgers: Dict[str, list] = None) -> "Contents":
+        """From a marker (a dict; an older marker's ``folders`` mapping counts by its keys) and
+        the ledgers' lines (ledger name -> its paths)."""
         if not isinstance(marker, dict):
             return cls()
         files, folders = marker.get("files"), marker.get("folders")
-        files = [p for p in files if _relative(p)] if isinstance(files, list) else []
-        folders = folders if isinstance(folders, dict) else {}
-        return cls(frozenset(files) | {MARKER},
-                   tuple(sorted((f, p) for f, p in folders.items() if _relative(f) and isinstance(p, str))))
+        files = {p for p in files if _relative(p)} if isinstance(files, list) else set()
+        folders = {f for f in folders if _relative(f)} if isinstance(folders, (list, dict)) else set()
+        for name, lines in (ledgers or {}).items():
+            files.add(name)
+            for line in lines:
+                if line.endswith("/") and _relative(line[:-1]):
+                    folders.add(line[:-1])
+                elif _relative(line):
+                    files.add(line)
+        return cls(frozenset(files) | {MARKER}, frozenset(folders))
+
+    @classmethod
+    def read(cls, folder: str) -> "Contents":
+        """What the marker and the ledgers of ``folder`` list (nothing without a marker)."""
+        marker = read_marker(folder)
+        return cls.of(marker, _read_ledgers(folder) if marker is not None else {})
+
+    @functools.cached_property
+    def _dirs(self) -> FrozenSet[str]:
+        """Every owned folder and every folder on the way to an owned file or folder."""
+        out = set()
+        for path in [*self.files, *self.folders]:
+            parts = path.split("/")
+            out.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        return frozenset(out | self.folders)
 
     def owns_file(self, rel: str) -> bool:
+        if rel in self.files:
+            return True
         head, base = posixpath.split(rel)
         written = _BEING_WRITTEN.fullmatch(base)
-        names = (rel,) if written is None else (rel, posixpath.join(head, written.group(1)))
-        return any(name in self.files or self._matches(name, file=True) for name in names)
+        return written is not None and posixpath.join(head, written.group(1)) in self.files
 
     def owns_dir(self, rel: str) -> bool:
-        """An owned subfolder, a folder its pattern allows, or one on the way to a listed path."""
-        owned = [f for f, _ in self.folders]
-        return (rel in owned or self._matches(rel, file=False)
-                or any(p.startswith(rel + "/") for p in [*self.files, *owned]))
+        """A folder powerlens made, or one on the way to a listed path."""
+        return rel in self._dirs
 
-    def _matches(self, rel: str, *, file: bool) -> bool:
-        """``rel`` is below an owned subfolder and fits its pattern: part by part, all of it for a
-        file, the leading parts for a folder."""
-        for folder, pattern in self.folders:
-            if rel.startswith(folder + "/"):
-                parts, wanted = rel[len(folder) + 1:].split("/"), pattern.split("/")
-                if (len(parts) == len(wanted) if file else len(parts) < len(wanted)) and \
-                        all(fnmatch.fnmatchcase(part, want) for part, want in zip(parts, wanted)):
-                    return True
-        return False
+
+def _read_ledgers(folder: str) -> Dict[str, list]:
+    """The complete lines of every ledger (a plain file, never followed through a link) in ``folder``."""
+    out = {}
+    for name in os.listdir(folder):
+        if not name.startswith(LEDGER):
+            continue
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                text = fh.read().decode("utf-8", errors="replace")
+        finally:
+            os.close(fd)
+        out[name] = text.split("\n")[:-1]         # a last line without its newline was being written
+    return out
+
+
+def claim(folder: str, rel: str) -> str:
+    """List ``rel`` (a path relative to ``folder``; a folder ends in '/') as powerlens's, before
+    it is written, in this process's ledger of the marked output folder ``folder``; returns
+    its absolute path. In a folder without a marker, nothing is listed."""
+    path = rel[:-1] if rel.endswith("/") else rel
+    if not _relative(path):
+        raise ValueError(f"not a relative path inside the output folder: {rel!r}")
+    if os.path.isfile(os.path.join(folder, MARKER)):
+        host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+        ledger = os.path.join(folder, f"{LEDGER}{host}-{os.getpid()}")
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, (rel + "\n").encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return os.path.join(folder, *path.split("/"))
 
 
 def read_marker(folder: str):
@@ -175,21 +293,21 @@ def read_marker(folder: str):
 
 
 def write_marker(folder: str, command: str, settings: Optional[dict] = None, *, files=(),
-                 folders: Optional[Dict[str, str]] = None) -> str:
+                 folders: Iterable[str] = ()) -> str:
     """Mark ``folder`` as written by ``command``, listing ``files`` (relative paths) and the
-    owned subfolders ``folders`` (subfolder -> pattern); see :data:`MARKER`."""
+    subfolders ``folders`` it makes; see :data:`MARKER`."""
     return write_json(os.path.join(folder, MARKER), {"command": command, "settings": settings or {},
-                                                     "files": sorted(files), "folders": dict(folders or {})})
+                                                     "files": sorted(files), "folders": sorted(folders)})
 
 
 def foreign_entries(folder: str) -> Iterator[str]:
     """The entries of ``folder`` that powerlens did not write, as relative paths, sorted, lazily.
 
-    That is every file its marker does not list (everything, without a marker), every symlink
-    (powerlens writes none, and none is followed), anything that is not a plain file, and every
-    folder the marker does not reach: its files, or ``NAME/`` when it is empty.
+    That is every file its marker and ledgers do not list (everything, without a marker), every
+    symlink (powerlens writes none, and none is followed), anything that is not a plain file,
+    and every folder they do not reach: its files, or ``NAME/`` when it is empty.
     """
-    return _foreign(folder, "", Contents.of(read_marker(folder)))
+    return _foreign(folder, "", Contents.read(folder))
 
 
 def _foreign(folder: str, rel: str, contents: Contents) -> Iterator[str]:
@@ -209,15 +327,26 @@ def _foreign(folder: str, rel: str, contents: Contents) -> Iterator[str]:
             yield path
 
 
-def remove_owned(folder: str) -> None:
-    """Delete what powerlens wrote in ``folder`` (what its marker lists, the marker last) and the
-    subfolders that leaves empty; nothing else, and nothing through a symlink. The folder stays."""
-    contents = Contents.of(read_marker(folder))
-    marker = os.path.join(folder, MARKER)
+def remove_owned(folder: str, under: str = "") -> None:
+    """Delete what powerlens wrote in ``folder`` (what its marker and ledgers list; the ledgers,
+    then the marker, last) and the subfolders that leaves empty; nothing else, and nothing
+    through a symlink. The folder stays. With ``under`` (a relative subfolder), only what is
+    listed below it, and that subfolder if it is left empty; the marker and ledgers stay."""
+    contents = Contents.read(folder)
     try:
+        if under:
+            if contents.owns_dir(under) and os.path.isdir(os.path.join(folder, under)) \
+                    and not os.path.islink(os.path.join(folder, under)):
+                _remove(folder, under, contents)
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(folder, under))
+            return
         _remove(folder, "", contents)
-        if contents.files and os.path.isfile(marker) and not os.path.islink(marker):
-            os.unlink(marker)
+        if contents.files:                           # a marker: its ledgers, then itself
+            for name in [*sorted(f for f in contents.files if f.startswith(LEDGER)), MARKER]:
+                path = os.path.join(folder, name)
+                if os.path.isfile(path) and not os.path.islink(path):
+                    os.unlink(path)
     except OSError as exc:
         raise ValueError(f"--out {folder}: cannot remove {exc.filename or 'its files'} ({exc.strerror})") from None
 
@@ -232,7 +361,8 @@ def _remove(folder: str, rel: str, contents: Contents) -> None:
                 _remove(folder, path, contents)
                 with contextlib.suppress(OSError):      # not empty: something of the user's is inside
                     os.rmdir(entry.path)
-        elif path != MARKER and entry.is_file(follow_symlinks=False) and contents.owns_file(path):
+        elif (path != MARKER and not (not rel and entry.name.startswith(LEDGER))
+              and entry.is_file(follow_symlinks=False) and contents.owns_file(path)):
             os.unlink(entry.path)
 
 
@@ -326,7 +456,9 @@ def decide_folder(path, *, command: str, settings: Optional[dict] = None, overwr
     marker = read_marker(target)
     if foreign is not None:
         link = " (a symbolic link)" if os.path.islink(os.path.join(target, foreign.rstrip("/"))) else ""
-        unlisted = f" (its {MARKER} lists no files)" if marker is not None and "files" not in marker else ""
+        unlisted = (f" (its {MARKER} lists no files)" if marker is not None and "files" not in marker else
+                    f" (its {MARKER}, from an older powerlens, does not list its chunks and figures)"
+                    if marker is not None and isinstance(marker.get("folders"), dict) else "")
         raise ValueError(f"--out {path}: {foreign!r}{link} was not written by powerlens{unlisted}, and powerlens "
                          f"deletes only what it wrote; choose a new folder, e.g. --out "
                          f"{_new_folder(os.fspath(path), command)}")
@@ -357,9 +489,10 @@ def write_error(target: str, exc: OSError) -> ValueError:
     return ValueError(f"--out {target}: cannot write there ({exc.strerror})")
 
 
-def mark_resumable(folder: str, command: str, settings: dict, *, files, folders: Dict[str, str]) -> None:
+def mark_resumable(folder: str, command: str, settings: dict, *, files, folders: Iterable[str]) -> None:
     """Create ``folder`` if need be and mark it as a resumable run's (``sweep``, ``reproduce``):
-    the ``files`` it will hold and its owned subfolders ``folders`` (see :data:`MARKER`). On
+    the ``files`` it will hold and the subfolders ``folders`` it makes (see :data:`MARKER`);
+    each further file (a chunk, a figure) is listed by :func:`claim` before it is written. On
     failure, a folder made here is removed again."""
     try:
         created = _make_folders(folder)
@@ -405,47 +538,106 @@ def _remove_empty(folders: list) -> None:
             return
 
 
+LOCK_TEXT = "powerlens lock, pid {pid}\n"
+"""What a lock file holds: how powerlens recognises one that a killed run left."""
+
+
+def _lock_pid(fd: int) -> Optional[str]:
+    """The pid a powerlens lock file records (a bare pid: an older powerlens's), or None when
+    the file is not one powerlens wrote."""
+    text = os.pread(fd, 64, 0).decode("ascii", errors="replace")
+    match = re.fullmatch(r"powerlens lock, pid (\d{1,10})\n|(\d{1,10})", text)
+    return None if match is None else match.group(1) or match.group(2)
+
+
+def _not_a_lock(path: str, target: str, what: str) -> ValueError:
+    return ValueError(f"--out {target}: its lock path {path} is {what}; powerlens never follows, changes or "
+                      f"removes it: move it away or choose another folder")
+
+
+def _open_lock(path: str, target: str) -> Optional[int]:
+    """Open the existing lock file ``path`` (None if it vanished meanwhile): a plain file only,
+    never through a symbolic link."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _not_a_lock(path, target, "a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_a_lock(path, target, "not a plain file")
+    try:
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _not_a_lock(path, target, "a symbolic link") from None
+        raise ValueError(f"--out {target}: cannot open its lock file {path} ({exc.strerror})") from None
+
+
 def _acquire(path: str, target: str) -> int:
-    """Open and lock the lock file ``path`` (refused at once when held); returns its descriptor."""
+    """Create and lock the lock file ``path`` (refused at once when held); returns its descriptor.
+
+    The file is created afresh (``O_CREAT | O_EXCL | O_NOFOLLOW``: never through a link) and
+    holds :data:`LOCK_TEXT`. An existing one is taken over only when no run holds it and it is
+    a plain file powerlens wrote (a killed run's); anything else at that path (a link, a user's
+    file) is refused, untouched."""
     import fcntl
+    pid = LOCK_TEXT.format(pid=os.getpid()).encode()
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), True
+        except FileExistsError:
+            fd, created = _open_lock(path, target), False
+            if fd is None:
+                continue                        # its holder removed it as it finished: create it now
         except OSError as exc:
             raise write_error(target, exc) from None
+        if created:
+            try:
+                os.write(fd, pid)
+            except OSError as exc:
+                os.unlink(path)
+                os.close(fd)
+                raise write_error(target, exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            holder = _lock_pid(fd) or "?"
             os.close(fd)
             raise ValueError(f"--out {target} is being written by another powerlens run (pid {holder}); "
                              f"wait for it to finish or choose another folder") from None
         try:
-            current = os.path.samestat(os.fstat(fd), os.stat(path))
+            current = os.path.samestat(os.fstat(fd), os.lstat(path))
         except FileNotFoundError:
             current = False
-        if current:
-            break
-        os.close(fd)            # its holder removed it as it finished: lock the file there now
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-    except OSError as exc:
-        os.unlink(path)
-        os.close(fd)
-        raise write_error(target, exc) from None
-    return fd
+        if not current:
+            os.close(fd)                        # its holder removed it as it finished: lock the file there now
+            continue
+        if not created:
+            if _lock_pid(fd) is None:
+                os.close(fd)
+                raise _not_a_lock(path, target, "a file that powerlens did not write")
+            try:                                # a killed run's lock: ours now
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, pid, 0)
+            except OSError as exc:
+                os.close(fd)
+                raise write_error(target, exc) from None
+        return fd
 
 
 @contextlib.contextmanager
 def folder_lock(target: str) -> Iterator[None]:
     """Hold an exclusive lock for writing ``target``: the hidden file ``.NAME.lock`` beside it,
-    which exists only while it is held.
+    which exists only while it is held (see :func:`_acquire`).
 
     A second writer of the same folder is refused at once with a message naming the folder and
-    the process that holds it. Parent folders made for the lock are removed again where the run
-    leaves them empty, so a refused or failed run leaves nothing behind. A full disk while the
-    lock is held is one line naming the folder.
+    the process that holds it; a link or a file powerlens did not write at the lock's path is
+    refused, naming it, and left as it is. Parent folders made for the lock are removed again
+    where the run leaves them empty, so a refused or failed run leaves nothing behind. A full
+    disk while the lock is held is one line naming the folder.
     """
     parent, name = os.path.split(target)
     path = os.path.join(parent, f".{name}.lock")
@@ -463,7 +655,8 @@ def folder_lock(target: str) -> Iterator[None]:
             raise
         finally:
             with contextlib.suppress(OSError):
-                os.unlink(path)                 # while still held: no other run holds this file
+                if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                    os.unlink(path)             # while still held: no other run holds this file
             os.close(fd)
     finally:
         _remove_empty(created)
@@ -471,26 +664,48 @@ def folder_lock(target: str) -> Iterator[None]:
 
 STAGING = "partial"      # .NAME.partial-XXXX beside the folder: a run being written
 REPLACED = "old"         # .NAME.old-XXXX: the folder it replaces, while the new one moves in
+STAGE_MARKER = ".powerlens-staging"
+"""The file that marks a staging folder (either kind) as made by powerlens; it holds STAGE_TEXT."""
+STAGE_TEXT = "a powerlens staging folder: removed by the next run into the same --out\n"
+
+
+def _mark_stage(folder: str) -> None:
+    write_text(os.path.join(folder, STAGE_MARKER), STAGE_TEXT)
+
+
+def _is_stage(folder: str) -> bool:
+    """True if ``folder`` carries powerlens's staging marker (a plain file holding STAGE_TEXT)."""
+    try:
+        fd = os.open(os.path.join(folder, STAGE_MARKER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 256) == STAGE_TEXT.encode()
+    finally:
+        os.close(fd)
 
 
 def remove_stale_staging(target: str) -> None:
     """Delete the hidden staging folders that a killed run left beside ``target`` (call with the
-    folder lock held: no live run owns them then). One not yet marked holds only files that run
-    wrote; a marked one, or the folder it was replacing, loses only what its marker lists."""
+    folder lock held: no live run owns them then). Only folders that carry powerlens's staging
+    marker (:data:`STAGE_MARKER`) are removed whole; a ``.NAME.partial-*`` folder without one
+    that holds a powerlens output (a run killed as it published) loses only what its marker
+    lists; any other folder of those names is the user's, and is left as it is."""
     parent, name = os.path.split(target)
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
         if os.path.islink(path) or not os.path.isdir(path):
             continue
         if entry.startswith(f".{name}.{STAGING}-"):
-            if read_marker(path) is None:
+            if _is_stage(path):
                 shutil.rmtree(path, ignore_errors=True)
-            else:
+            elif read_marker(path) is not None:
                 _discard(path)
-        elif entry.startswith(f".{name}.{REPLACED}-"):
-            if os.path.isdir(os.path.join(path, name)):
+        elif entry.startswith(f".{name}.{REPLACED}-") and _is_stage(path):
+            if os.path.isdir(os.path.join(path, name)) and not os.path.islink(os.path.join(path, name)):
                 _discard(os.path.join(path, name))
             with contextlib.suppress(OSError):
+                os.unlink(os.path.join(path, STAGE_MARKER))
                 os.rmdir(path)
 
 
@@ -524,8 +739,10 @@ def output_dir(path: str, *, command: str = "powerlens", settings: Optional[dict
             raise write_error(path, exc) from None
         try:
             public_mode(stage)
+            _mark_stage(stage)
             yield stage
-            write_marker(stage, command, settings, files=_files_below(stage))
+            write_marker(stage, command, settings, files=[f for f in _files_below(stage) if f != STAGE_MARKER])
+            os.unlink(os.path.join(stage, STAGE_MARKER))     # marked now: a powerlens output, as published
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -560,10 +777,12 @@ def publish(stage: str, target: str) -> None:
         return
     parent, name = os.path.split(target)
     old = tempfile.mkdtemp(prefix=f".{name}.{REPLACED}-", dir=parent)
+    _mark_stage(old)
     os.replace(target, os.path.join(old, name))
     os.replace(stage, target)
     _discard(os.path.join(old, name))
     with contextlib.suppress(OSError):
+        os.unlink(os.path.join(old, STAGE_MARKER))
         os.rmdir(old)
 
 

@@ -35,7 +35,7 @@ def steer(system, tmp_path, capsys, *extra):
 
 def test_target_alignment_is_exact(system, tmp_path, capsys):
     """The solved alpha puts the worst token exactly at |cos| = c after the (single) layer."""
-    code, doc, err = steer(system, tmp_path, capsys, "--target-alignment", "0.95", "--w", "value")
+    code, doc, err = steer(system, tmp_path, capsys, "--target-alignment", "0.95", "--w", "value", "--sign-free")
     assert code == 0, err
     assert doc["alignment"]["min_after"] == pytest.approx(0.95, abs=2e-5)
     assert doc["alignment"]["min_after"] >= 0.95 - 2e-5

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from powerlens.cli import main
-from powerlens.sweeps import distributed
+from powerlens.runtime import distributed
 
 pytestmark = pytest.mark.slow
 

@@ -286,7 +286,7 @@ def test_negative_dominant_orderings_differ():
     assert np.abs(S[-1] @ Q[:, 0]).max() < 1e-10
     # against the plain principal subspace v(-3) the same tokens have gamma ~ 0
     plain = reference_subspaces(layer_spectra(F), order="plain", dtype=jnp.float64)
-    g = np.asarray(DM.alignment(jnp.asarray(S[-1]), plain.basis[0, 0]))
+    g = np.asarray(DM.token_alignment(jnp.asarray(S[-1]), plain.basis[0, 0]))
     assert g.max() < 1e-10
 
 
@@ -492,7 +492,7 @@ def test_state_measures_by_hand():
     assert abs(float(DM.mean_pairwise_cosine(X, ok)) - 13 / 15) < 1e-14
     # gamma against a zero-padded basis: only the first k columns count
     B = jnp.array([[1.0, 0.0], [0.0, 0.0]])
-    np.testing.assert_allclose(np.asarray(DM.alignment(X, B)), [0.6, 0.6, 0.0], atol=1e-15)
+    np.testing.assert_allclose(np.asarray(DM.token_alignment(X, B)), [0.6, 0.6, 0.0], atol=1e-15)
 
 
 def test_pooled_weights_by_valid_tokens():

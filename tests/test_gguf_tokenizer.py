@@ -167,11 +167,11 @@ def test_smollm2_known_ids(smollm2):
 
 def test_loading_reads_the_file_once(monkeypatch):
     """The model's tokenizer comes from the spec read while loading: no second parse."""
-    from powerlens.models import gguf_llama, load
+    from powerlens.models import gguf_file, load
     from powerlens.models.embed import tokenizer
     path = resolve("smollm2")
     model = load("smollm2")
-    monkeypatch.setattr(gguf_llama, "GGUFFile", lambda *a, **k: pytest.fail("the GGUF file was parsed again"))
+    monkeypatch.setattr(gguf_file, "GGUFFile", lambda *a, **k: pytest.fail("the GGUF file was parsed again"))
     tok = gguf_tokenizer(path)
     assert tok("The capital of France is")["input_ids"] == [504, 3575, 282, 4649, 314]
     assert tokenizer(model)("hi")["input_ids"] == tok("hi")["input_ids"]

@@ -100,6 +100,7 @@ def test_folders_get_the_usual_permissions(tmp_path, capsys):
 def test_a_killed_runs_staging_folder_is_cleaned_up(tmp_path, capsys):
     stale = tmp_path / ".run.partial-abc123"
     stale.mkdir()
+    (stale / io.STAGE_MARKER).write_text(io.STAGE_TEXT)      # made by powerlens (a user's folder is kept)
     (stale / "big.npy").write_bytes(b"0" * 1000)
     assert run(capsys, *FAST, "--out", str(tmp_path / "run"))[0] == 0
     assert not stale.exists()
@@ -184,6 +185,7 @@ def test_reproduce_overwrite_starts_afresh(tmp_path, capsys, monkeypatch):
     out = tmp_path / "r"
     _marked_reproduce_folder(out, seed=0)
     (out / "figures").mkdir()
+    io.claim(str(out), "figures/old_seed0.png")               # the seed-0 run listed it as it wrote it
     (out / "figures" / "old_seed0.png").write_bytes(b"old")
     code, _ = run(capsys, "reproduce", "--quick", "--seed", "1", "--sections", "bipartite", "--out", str(out),
                   "--overwrite")

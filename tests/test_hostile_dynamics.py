@@ -314,7 +314,7 @@ def test_measures_of_huge_finite_states_are_scale_free():
     assert np.all(np.isfinite(np.asarray(big)))
     B = jnp.asarray(np.linalg.qr(rng.standard_normal((5, 2)))[0], jnp.float32)
     close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=1e-7)
-    close(DM.alignment(big, B), DM.alignment(jnp.asarray(X), B))
+    close(DM.token_alignment(big, B), DM.token_alignment(jnp.asarray(X), B))
     for f in (DM.consensus_distance, DM.rank_collapse_residual, DM.mean_pairwise_cosine):
         close(f(big, valid), f(jnp.asarray(X), valid))
     c_big, c = DM.consensus_measures(big, valid), DM.consensus_measures(jnp.asarray(X), valid)

@@ -290,7 +290,8 @@ def test_shape_mismatch(bert_copy):
 
 @pytest.mark.parametrize("torch_dtype", ["float16", "bfloat16"])
 def test_half_checkpoints_upcast(built, tmp_path, torch_dtype):
-    """fp16/bf16 weights are upcast to float32 (not rejected) and match the rounded model."""
+    """fp16/bf16 weights are held in their own dtype, computed in float32 (not rejected), and
+    match the rounded model."""
     ref_model = built["bert"][2]
     tm = hf_tiny.build("bert", tmp_path, seed=0, dtype=getattr(torch, torch_dtype))
     from safetensors import safe_open
@@ -298,13 +299,15 @@ def test_half_checkpoints_upcast(built, tmp_path, torch_dtype):
         stored = f.get_slice(f.keys()[0]).get_dtype()
     assert stored == {"float16": "F16", "bfloat16": "BF16"}[torch_dtype]
     model = load(str(tmp_path))
-    assert model.layers.W_q.dtype == np.float32 and model.embeddings["word"].dtype == np.float32
+    assert model.layers.W_q.dtype.name == torch_dtype and model.embeddings["word"].dtype.name == torch_dtype
+    assert model.layers.dtype == np.float32
+    assert load(str(tmp_path), dtype="float32").layers.W_q.dtype == np.float32        # upcast on request
     # exactly the rounded weights, and within half precision of the float32 checkpoint
     want = tm.encoder.layer[1].attention.self.query.weight.detach().numpy().reshape(3, 12, 36)
-    np.testing.assert_array_equal(np.asarray(model.layers.W_q[1]), want)
+    np.testing.assert_array_equal(np.asarray(model.layers.W_q[1], np.float32), want)
     rel = {"float16": 2 ** -10, "bfloat16": 2 ** -7}[torch_dtype]
     w32 = np.asarray(ref_model.layers.W_q)
-    assert np.all(np.abs(np.asarray(model.layers.W_q) - w32) <= rel * np.abs(w32) + 1e-6)
+    assert np.all(np.abs(np.asarray(model.layers.W_q, np.float32) - w32) <= rel * np.abs(w32) + 1e-6)
     ids, mask = built["bert"][3], built["bert"][4]
     ref = hf_tiny.torch_hidden_states(tm, ids, mask)
     hs = np.asarray(hidden_states(model, *embed_ids(model, ids, mask.astype(bool))))

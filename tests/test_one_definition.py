@@ -459,3 +459,57 @@ def test_sweep_system_rows_of_a_float64_sweep_have_their_eigenvalues_in_F_itself
         got = [top.real, abs(top.imag), second.real, abs(second.imag)]
         want = [row.lambda1_re, abs(row.lambda1_im), row.lambda2_re, abs(row.lambda2_im)]
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=f"row {i}")
+
+
+# --- constants
+
+def _module_constants():
+    """{NAME: [(module path, literal value or None), ...]} of every upper-case name assigned at
+    module level in the package."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "powerlens"
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, ast.AnnAssign) else [])
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id.isupper() and node.value is not None:
+                    try:
+                        value = ast.literal_eval(node.value)
+                    except ValueError:
+                        value = None
+                    found.setdefault(t.id, []).append((str(path.relative_to(root)), value))
+    return found
+
+
+def test_each_shared_constant_is_defined_once():
+    """INITS, SANDWICH_NORMS and the neutral sentences are defined once and imported where used;
+    the two step limits once called MAX_STEPS have names that say which limit each is. No two
+    modules define the same upper-case name to the same value, except cli.py's choice lists,
+    written out so that the parser imports no numerical library (test_startup checks they agree)."""
+    import powerlens.models.llama as llama
+    import powerlens.sweeps.spec as spec
+    from powerlens.dynamics.params import SANDWICH_NORMS
+    from powerlens.dynamics.synthetic import INITS
+    found = _module_constants()
+    where = {name: [m for m, _ in found.get(name, [])] for name in
+             ("INITS", "SANDWICH_NORMS", "NEUTRAL_SENTENCES", "ALBERT_MAX_SCHEDULE", "MAX_SYSTEM_STEPS")}
+    assert where == {"INITS": ["dynamics/synthetic.py"], "SANDWICH_NORMS": ["dynamics/params.py"],
+                     "NEUTRAL_SENTENCES": ["steering/effects.py"], "ALBERT_MAX_SCHEDULE": ["models/albert.py"],
+                     "MAX_SYSTEM_STEPS": ["sweeps/spec.py"]}
+    assert "MAX_STEPS" not in found
+    assert spec.INITS is INITS and llama.SANDWICH_NORMS is SANDWICH_NORMS
+    copies = {}
+    for name, defs in found.items():
+        values = [(m, v) for m, v in defs if v is not None and m != "cli.py"]
+        same = [m for m, v in values if sum(v == w for _, w in values) > 1]
+        if same:
+            copies[name] = same
+    assert copies == {}
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "powerlens"
+    sentence = "The weather was mild and the streets were quiet."
+    assert [str(p.relative_to(root)) for p in sorted(root.rglob("*.py")) if sentence in p.read_text("utf-8")] \
+        == ["steering/effects.py"]

@@ -131,6 +131,8 @@ def sweep_folder(folder):
     spec = load_spec({"seed": 1, "grid": {"beta": [1.0]}, "system": {"d": 4, "tokens": 4}, "run": {"steps": 5}})
     prepare_folder(str(folder), spec.to_dict(), "start")
     (folder / ".chunks").mkdir()
+    io.claim(str(folder), ".chunks/c0000.json")              # each chunk is listed before it is written
+    io.claim(str(folder), ".chunks/c0001.json")
     (folder / ".chunks" / "c0000.json").write_text("{}")
     (folder / ".chunks" / ".c0001.json.k3x_9q.tmp").write_text("{")
 
@@ -201,8 +203,8 @@ def test_removing_a_powerlens_folder_never_follows_a_symlink(tmp_path):
     (out / "figures").mkdir()
     (out / "figures" / "a.png").write_text("ours")
     (out / "figures" / "notes.txt").write_text("mine")
-    io.write_marker(str(out), "sweep", {}, files=["results.csv", "../outside/precious", ".chunks/c0000.json"],
-                    folders={".chunks": "*.json", "figures": "*.png"})
+    io.write_marker(str(out), "sweep", {}, files=["results.csv", "../outside/precious", ".chunks/c0000.json",
+                                                  "figures/a.png"], folders=[".chunks", "figures"])
     assert sorted(io.foreign_entries(str(out))) == [".chunks", "figures/notes.txt"]
     io.remove_owned(str(out))
     assert snapshot(out) == {".chunks": ("link", str(outside)), "figures": "dir", "figures/notes.txt": b"mine"}
@@ -306,6 +308,7 @@ def test_a_resumable_folder_resumes_with_a_killed_runs_leftovers(tmp_path, capsy
     settings = {"quick": True, "seed": 0, "models": [], "sections": ["tiny"]}
     reproduce.prepare_folder(str(out), settings, overwrite=False)
     (out / "figures").mkdir()
+    io.claim(str(out), "figures/s9_partial.png")             # listed before it is written, as ctx.fig does
     (out / "figures" / "s9_partial.png").write_bytes(b"old")
     (out / ".results.json.a1b2c3.tmp").write_text("{")
     assert list(io.foreign_entries(str(out))) == []
@@ -344,7 +347,7 @@ def test_a_full_disk_is_one_line_naming_the_folder(tmp_path, capsys, monkeypatch
     def full(path, write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(io, "_atomic", full)
+    monkeypatch.setattr(io, "atomic_write", full)
     for command in ("simulate", "reproduce"):
         code, err = run(capsys, argv(command, tmp_path / command, tmp_path))
         line = one_line(err)

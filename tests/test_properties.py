@@ -20,7 +20,7 @@ import reference_numpy as R
 from powerlens.analysis.measures import random_subspace
 from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
-from powerlens.dynamics.measures import alignment
+from powerlens.dynamics.measures import token_alignment as alignment
 from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
 from powerlens.dynamics.synthetic import spectrum_matrix, synthetic_system
 

@@ -153,35 +153,32 @@ def test_bad_jobs_is_a_clear_error(jobs):
 def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     """reproduce asks for its own XLA on one thread (set before the backend starts; the user's
     XLA_FLAGS or POWERLENS_XLA_THREADS thread choice wins), and the workers start from the
-    user's environment, not from that one thread: fewer workers than cores keep XLA's threads,
-    workers that fill them get one."""
-    from powerlens.reproduce import workers
-    from powerlens.sweeps.distributed import SINGLE_THREAD_XLA, XLA_THREADS
-    monkeypatch.setattr(workers, "_USER_ENV", [])
+    user's environment (the copy the command line keeps), not from that one thread: fewer
+    workers than cores keep XLA's threads, workers that fill them get one."""
+    from powerlens.runtime import threads
+    from powerlens.runtime.threads import SINGLE_THREAD_XLA, XLA_THREADS
     monkeypatch.delenv(XLA_THREADS, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
-    assert workers.single_threaded_main(os.environ) and workers._USER_ENV == []            # the user's choice
+    assert threads.single_threaded_main(os.environ) and XLA_THREADS not in os.environ       # the user's choice
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.setenv(XLA_THREADS, "0")
-    assert workers.single_threaded_main(os.environ) and workers._USER_ENV == []            # theirs again
+    assert threads.single_threaded_main(os.environ) and os.environ[XLA_THREADS] == "0"      # theirs again
     monkeypatch.delenv(XLA_THREADS)
     from jax._src import xla_bridge
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
-    assert workers.single_threaded_main(os.environ)
+    user = dict(os.environ)
+    assert threads.single_threaded_main(os.environ)
     assert os.environ["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA
     assert os.environ[XLA_THREADS] == "1"
-    monkeypatch.setattr(workers, "cores", lambda: 8)
-    env = workers.worker_env(3)
+    env = threads.worker_env(3, cores=8, base=user)
     assert env["XLA_FLAGS"] == "--xla_dump_hlo_as_text" and XLA_THREADS not in env
-    monkeypatch.setattr(workers, "cores", lambda: 2)
-    env = workers.worker_env(3)
+    env = threads.worker_env(3, cores=2, base=user)
     assert env["XLA_FLAGS"] == "--xla_dump_hlo_as_text " + SINGLE_THREAD_XLA and env["OMP_NUM_THREADS"] == "1"
     assert env[XLA_THREADS] == "1"
-    monkeypatch.setattr(workers, "_USER_ENV", [])
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.delenv(XLA_THREADS)
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
-    assert not workers.single_threaded_main(os.environ)                  # too late: XLA keeps its threads
+    assert not threads.single_threaded_main(os.environ)                  # too late: XLA keeps its threads
 
 def test_section_7_verdicts_from_given_numbers():
     """Section 7's two verdicts are computed from their numbers: the output claim holds on a

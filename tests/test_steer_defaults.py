@@ -146,7 +146,7 @@ def test_cli_optimize_without_a_feasible_change_is_an_error(weights, tmp_path, c
                                    factor_P=np.full_like(res.factor_P, np.nan))
 
     monkeypatch.setattr(steering, "optimize_steering", infeasible)
-    code = _steer_weights(weights, tmp_path / "o", "--optimize", "--target-alignment", "0.9")
+    code = _steer_weights(weights, tmp_path / "o", "--optimize", "--target-alignment", "0.9", "--quiet")
     err = capsys.readouterr().err
     assert code == 2 and "--optimize found no change of rank <= 1 reaching alignment 0.9" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()

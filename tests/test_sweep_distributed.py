@@ -14,7 +14,7 @@ import time
 import pytest
 
 from powerlens.cli import main
-from powerlens.sweeps import distributed
+from powerlens.runtime import distributed
 from test_sweep_engine import KILL
 
 SPEC = KILL                   # the resume test's spec: one compilation (persistent cache) for both files
@@ -114,7 +114,7 @@ def test_settings_from_the_environment(monkeypatch):
 
 
 def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch):
-    from powerlens.sweeps.distributed import XLA_THREADS, worker_env
+    from powerlens.runtime.threads import XLA_THREADS, worker_env
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv(XLA_THREADS, raising=False)
     env = worker_env(2, cores=2)
@@ -133,7 +133,7 @@ def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose():
     """`powerlens sweep` runs every process, one or many, without Eigen's intra-op threads:
     with them, XLA's results moved in the last bits with the thread count (one process against
     two single-threaded workers), and the parquet files of the tests above differed."""
-    from powerlens.sweeps.distributed import XLA_THREADS, same_numbers_xla
+    from powerlens.runtime.threads import XLA_THREADS, same_numbers_xla
     env = {"XLA_FLAGS": "--xla_dump_hlo_as_text"}
     assert same_numbers_xla(env) and env["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_cpu_multi_thread_eigen=false"
     assert not same_numbers_xla(env) and env["XLA_FLAGS"].count("multi_thread_eigen") == 1     # once
@@ -152,30 +152,30 @@ def test_start_xla_starts_the_backend_on_one_core_then_gives_the_cores_back(monk
     it does nothing unless asked, or once a backend has started."""
     import jax
     from jax._src import xla_bridge
-    from powerlens.sweeps import distributed
+    from powerlens.runtime import threads
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
     calls = []
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: calls.append(("set", set(cpus))))
     monkeypatch.setattr(jax, "devices", lambda: calls.append(("devices",)))
-    monkeypatch.setattr(distributed, "_threads", lambda: [0])
+    monkeypatch.setattr(threads, "_threads", lambda: [0])
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
-    assert not distributed.start_xla({}) and calls == []                          # not asked
-    assert not distributed.start_xla({distributed.XLA_THREADS: "0"}) and calls == []
-    assert distributed.start_xla({distributed.XLA_THREADS: "1"})
+    assert not threads.start_xla({}) and calls == []                          # not asked
+    assert not threads.start_xla({threads.XLA_THREADS: "0"}) and calls == []
+    assert threads.start_xla({threads.XLA_THREADS: "1"})
     assert calls == [("set", {0}), ("devices",), ("set", {0, 1, 2})]
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: True)
-    assert not distributed.start_xla({distributed.XLA_THREADS: "1"})              # too late: threads kept
+    assert not threads.start_xla({threads.XLA_THREADS: "1"})              # too late: threads kept
 
 
 def test_start_xla_in_a_fresh_process_keeps_every_core_for_the_os():
     """In a real process: the backend has started, and every thread of it (XLA's too) may run on
     all the process's cores."""
-    from powerlens.sweeps.distributed import XLA_THREADS
+    from powerlens.runtime.threads import XLA_THREADS
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
-    code = ("import os; from powerlens.sweeps.distributed import start_xla; from jax._src import xla_bridge; "
+    code = ("import os; from powerlens.runtime.threads import start_xla; from jax._src import xla_bridge; "
             "before = os.sched_getaffinity(0); print(start_xla(), xla_bridge.backends_are_initialized(), "
             "all(os.sched_getaffinity(int(t)) == before for t in os.listdir('/proc/self/task')))")
     env = dict(os.environ, **{XLA_THREADS: "1"})

@@ -285,7 +285,7 @@ def test_a_model_sweep_refuses_a_changed_checkpoint(tmp_path):
     sweep(spec, out=out, progress=False, report_files=False)
     marker = json.loads(open(os.path.join(out, ".powerlens-output")).read())
     identity = marker["settings"]["spec"]["checkpoint"]["model.safetensors"]
-    assert identity["size"] == os.path.getsize(folder / "model.safetensors") and len(identity["header_sha256"]) == 64
+    assert identity["size"] == os.path.getsize(folder / "model.safetensors") and len(identity["sha256"]) == 64
     sweep(spec, out=out, progress=False, report_files=False)              # unchanged: resumes
     hf_tiny.build("bert", folder, seed=1, vocab_size=30522)               # new weights at the same path
     with pytest.raises(ValueError, match=r"different spec \(keys that differ: .*checkpoint\.model\.safetensors\."

@@ -77,9 +77,10 @@ def shapes_of(layers) -> dict:
     """The sizes of ``layers`` that :func:`run_estimate` needs."""
     cfg = layers.config
     copied = (layers.W_q, layers.W_k, layers.W_v, layers.W_o)         # powerlens.dynamics.projections
-    weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in copied if a is not None)
+    same = layers.dtype == layers.W_v.dtype          # weights of another dtype are cast a layer at a time, not copied
+    weights = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in copied if a is not None) if same else 0
     return dict(d=cfg.d_model, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, d_head=cfg.d_head,
-                itemsize=np.dtype(layers.W_v.dtype).itemsize, weights=weights)
+                itemsize=np.dtype(layers.dtype).itemsize, weights=weights)
 
 
 def run_estimate(*, steps: int, batch: int, tokens: int, d: int, heads: int, d_head: int, itemsize: int,

@@ -6,6 +6,7 @@ rank collapse, pairwise cosine) run inside the scan: :mod:`powerlens.dynamics.me
     chance_gamma(d, k)     E ||P x|| for a random unit x in R^d and a rank-k projector P
     chance_gamma_std(d, k) its standard deviation (for the chance band)
     binomial_pvalue        one-sided P(Bin(N, p) >= k): evidence that rho exceeds 1/2 (vectorised)
+    binomial_interval      Wilson score interval of a proportion k / N (vectorised; error bars)
     random_subspace        a uniformly random k-dim subspace (the control reference)
     group_difference       difference of means between two groups of layers, with an exact
                            permutation p-value (local against global attention layers)
@@ -51,6 +52,27 @@ def binomial_pvalue(successes, trials: int, p: float = 0.5):
     else:
         out = np.full(k.shape, np.nan)
     return float(out) if np.ndim(out) == 0 else np.asarray(out, float)
+
+
+def binomial_interval(successes, trials, z: float = 1.959963984540054):
+    """(low, high): the Wilson score interval of the proportion p = k / N, for k
+    ``successes`` out of N ``trials`` (numbers or arrays, broadcast), at ``z`` standard
+    normal deviates (default: 95 %):
+
+        (p + z^2 / 2N  -/+  z sqrt(p (1 - p) / N + z^2 / 4N^2)) / (1 + z^2 / N).
+
+    It stays inside [0, 1] and has a nonzero width at k = 0 and k = N (unlike p -/+ z sqrt(p(1-p)/N)).
+    NaN where N = 0."""
+    k = np.asarray(successes, np.float64)
+    n = np.asarray(trials, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = k / n
+        c = z * z / n
+        mid = (p + c / 2) / (1 + c)
+        half = z * np.sqrt(p * (1 - p) / n + c / (4 * n)) / (1 + c)
+        lo, hi = np.clip(mid - half, 0.0, 1.0), np.clip(mid + half, 0.0, 1.0)
+    bad = ~(n > 0)
+    return np.where(bad, np.nan, lo), np.where(bad, np.nan, hi)
 
 
 def random_subspace(rng: np.random.Generator, d: int, k: int) -> np.ndarray:

@@ -123,6 +123,26 @@ def _text(s) -> str:
     return s.replace("$", r"\$")
 
 
+def _errors(err, name: str, series: Mapping[str, np.ndarray], n: int) -> Dict[str, np.ndarray]:
+    """Error half-widths per series: an (n,) array for the only series, or a dict with some of
+    ``series``' keys; each checked non-negative where finite (NaN: no band there)."""
+    if err is None:
+        return {}
+    if isinstance(err, Mapping):
+        unknown = [k for k in err if str(k) not in series]
+        if unknown:
+            raise ValueError(f"{name} has keys {unknown} that are not series ({list(series)})")
+        out = {str(k): _vector(v, f"{name}[{k!r}]", n) for k, v in err.items()}
+    elif len(series) == 1:
+        out = {next(iter(series)): _vector(err, name, n)}
+    else:
+        raise ValueError(f"{name} must be a dict with the keys {list(series)} when there are several series")
+    for k, v in out.items():
+        if (v[np.isfinite(v)] < 0).any():
+            raise ValueError(f"{name}[{k!r}] has negative half-widths")
+    return out
+
+
 def _marker(n: int) -> str:
     return "o" if n <= 40 else ""
 
@@ -178,7 +198,9 @@ def _eigen_panel(ax, s, *, zoom_inset: bool):
         ins.set_ylim(-h, h)
         ins.set_aspect("equal", adjustable="box")
         ins.tick_params(labelsize=6)
-        ins.set_title("zoom on −1", fontsize=7)
+        # inside the inset's top edge: above it, the title would run into the panel's own title
+        ins.set_title("zoom on −1", fontsize=6.5, y=1.0, pad=-9,
+                      bbox=dict(fc="white", ec="none", alpha=0.8, pad=1))
     return sc
 
 
@@ -212,7 +234,8 @@ def plot_eigenvalues(spectra, path, *, title: Optional[str] = None, max_panels: 
     ncol = 1 if n == 1 else min(n, 3 if n <= 9 else 4 if n <= 16 else 6)
     nrow = -(-n // ncol)
     size = 5.2 if n == 1 else 3.3
-    fig = Figure(figsize=(size * ncol, size * nrow + 0.3))
+    # constrained layout keeps the suptitle, the panel titles and the axis labels apart
+    fig = Figure(figsize=(size * ncol, size * nrow + 0.6), layout="constrained")
     axes = fig.subplots(nrow, ncol, squeeze=False)
     for ax, s in zip(axes.flat, shown):
         _eigen_panel(ax, s, zoom_inset=True)
@@ -232,10 +255,9 @@ def plot_eigenvalues(spectra, path, *, title: Optional[str] = None, max_panels: 
         axes[0, 0].set_title(f"{sup}\n{axes[0, 0].get_title()}", color=axes[0, 0].title.get_color(), fontsize=11)
     else:
         fig.suptitle(sup)
-    fig.tight_layout()
-    # below the panels (outside them); bbox_inches='tight' makes room for it
-    fig.legend(handles, labels, loc="upper center", ncol=2 if n == 1 else min(4, len(labels)), fontsize=8.5,
-               frameon=False, bbox_to_anchor=(0.5, 0.0))
+    # below the panels, outside them: the layout makes room for it
+    fig.legend(handles, labels, loc="outside lower center", ncol=2 if n == 1 else min(4, len(labels)),
+               fontsize=8.5, frameon=False)
     return save_figure(fig, path, return_fig=return_fig)
 
 
@@ -244,7 +266,9 @@ def plot_eigenvalues(spectra, path, *, title: Optional[str] = None, max_panels: 
 def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, *, chance,
                    chance_band=None, gamma_controls: Optional[Mapping] = None,
                    rho_controls: Optional[Mapping] = None, xlabel: str = "layer t",
-                   title: Optional[str] = None, marks: Optional[Mapping] = None, return_fig: bool = False):
+                   title: Optional[str] = None, marks: Optional[Mapping] = None, gamma_err: ArrayOrDict = None,
+                   rho_err: ArrayOrDict = None, err_label: str = "±1 s.e. across prompts",
+                   return_fig: bool = False):
     """gamma_t (top) and rho_t (bottom) per layer or step.
 
     Args:
@@ -254,8 +278,14 @@ def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, 
       chance: chance level of gamma, a number or (n,) (it depends on dim S_t).
       chance_band: half-width of the chance band (e.g. 2 std / sqrt(tokens)), number or (n,).
       gamma_controls, rho_controls: dicts name -> (n,) drawn dashed ('random subspace',
-        'other layer').
+        'other layer'); a control that is NaN everywhere (no other layer in a one-layer
+        model) is left out, legend entry included.
       marks: dict label -> x values to shade on both panels (e.g. {'global attention': [6, 12]}).
+      gamma_err, rho_err: half-widths of an error band around gamma / rho, (n,) or dicts with
+        the keys of ``gamma`` / ``rho`` (e.g. the standard errors across prompts); NaN: no band
+        there. ``err_label``: the band's legend entry.
+
+    The legends sit to the right of the panels, so that they never cover a point.
     """
     x = _vector(layers_or_steps, "layers_or_steps")
     n = x.shape[0]
@@ -265,8 +295,11 @@ def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, 
     r = _series(rho, "rho", n, "ρ_t")
     if not g or not r:
         raise ValueError("plot_alignment needs gamma and rho")
-    gc = _series(gamma_controls, "gamma_controls", n, "control")
-    rc = _series(rho_controls, "rho_controls", n, "control")
+    drawn = lambda d: {k: v for k, v in d.items() if np.isfinite(v).any()}
+    gc = drawn(_series(gamma_controls, "gamma_controls", n, "control"))
+    rc = drawn(_series(rho_controls, "rho_controls", n, "control"))
+    ge = _errors(gamma_err, "gamma_err", g, n)
+    re_ = _errors(rho_err, "rho_err", r, n)
     ch = _band(chance, "chance", n)
     mk = _marker(n)
     fig = Figure(figsize=(8.0, 6.4))
@@ -281,26 +314,38 @@ def plot_alignment(layers_or_steps, gamma: ArrayOrDict, rho: ArrayOrDict, path, 
         b = _band(chance_band, "chance_band", n)
         ax1.fill_between(x, ch - b, ch + b, color="0.85", lw=0, label="chance ± band", step=None)
     ax1.plot(x, ch, color="0.35", ls="--", lw=1.2, label="chance (random direction)")
+    banded = [False]
+
+    def band(ax, i, v, e):
+        if e is not None and np.isfinite(e).any():
+            ax.fill_between(x, v - e, v + e, color=f"C{i}", alpha=0.18, lw=0, zorder=1,
+                            label=None if banded[0] else err_label, gid="error_band")
+            banded[0] = True
+
     for i, (k, v) in enumerate(g.items()):
+        band(ax1, i, v, ge.get(k))
         ax1.plot(x, v, marker=mk, ms=4, lw=1.6, color=f"C{i}", label=f"γ_t {k}" if k != "γ_t" else k)
     for j, (k, v) in enumerate(gc.items()):
         ax1.plot(x, v, ls=(0, (4, 2)), marker=mk and ".", lw=1.1, color=f"C{len(g) + j + 2}", label=k)
     ax1.set_ylabel("γ_t = mean ‖P_S x‖/‖x‖")
-    hi = np.nanmax(np.concatenate([*g.values(), *gc.values(), ch + (b if chance_band is not None else 0)]))
+    tops = [v + np.nan_to_num(ge[k]) if k in ge else v for k, v in g.items()]
+    hi = np.nanmax(np.concatenate([*tops, *gc.values(), ch + (b if chance_band is not None else 0)]))
     ax1.set_ylim(0, min(1.02, max(0.05, 1.15 * hi)) if np.isfinite(hi) else 1.02)
-    ax1.legend(fontsize=8, loc="best", framealpha=0.85)
+    ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.85)
     ax1.set_title("alignment with the principal subspace S_t", fontsize=10)
     ax1.grid(alpha=0.3)
 
     ax2.axhline(0.5, color="0.35", ls="--", lw=1.2, label="0.5 (no preference)")
+    banded[0] = False
     for i, (k, v) in enumerate(r.items()):
+        band(ax2, i, v, re_.get(k))
         ax2.plot(x, v, marker=mk, ms=4, lw=1.6, color=f"C{i}", label=f"ρ_t {k}" if k != "ρ_t" else k)
     for j, (k, v) in enumerate(rc.items()):
         ax2.plot(x, v, ls=(0, (4, 2)), marker=mk and ".", lw=1.1, color=f"C{len(r) + j + 2}", label=k)
     ax2.set_ylim(-0.02, 1.02)
     ax2.set_ylabel("ρ_t = share of tokens with γ up")
     ax2.set_xlabel(xlabel)
-    ax2.legend(fontsize=8, loc="best", framealpha=0.85)
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.85)
     ax2.set_title("share of tokens whose alignment grows across the step", fontsize=10)
     ax2.grid(alpha=0.3)
     if n <= 40 and np.allclose(x, np.round(x)):
@@ -494,9 +539,15 @@ def plot_histogram_before_after(before, after, path, *, xlabel: str = "alignment
 
 
 def plot_curve(x, ys: ArrayOrDict, path, *, xlabel: str, ylabel: str, logx: bool = False, logy: bool = False,
-               hlines=None, title: Optional[str] = None, return_fig: bool = False):
+               hlines=None, title: Optional[str] = None, intervals: Optional[Mapping] = None,
+               interval_label: str = "", ylim: Optional[Sequence[float]] = None, return_fig: bool = False):
     """A generic line plot: ys is an array or dict name -> (n,); hlines a number, a list
-    or a dict name -> value (horizontal reference lines)."""
+    or a dict name -> value (horizontal reference lines).
+
+    ``intervals``: dict name (a key of ``ys``) -> (low "float[n]", high "float[n]"), the bounds
+    of an interval around each point (e.g. a binomial confidence interval), drawn as error
+    bars and named in the legend by ``interval_label``. ``ylim``: (bottom, top) of the y axis
+    (None: matplotlib's choice)."""
     xv = _vector(x, "x")
     n = xv.shape[0]
     if n == 0:
@@ -515,9 +566,24 @@ def plot_curve(x, ys: ArrayOrDict, path, *, xlabel: str, ylabel: str, logx: bool
     fig = Figure(figsize=(7.0, 4.4))
     ax = fig.subplots()
     mk = _marker(n)
+    bounds = {}
+    for k, lh in (intervals or {}).items():
+        if str(k) not in series:
+            raise ValueError(f"intervals has the key {k!r}, which is not a series ({list(series)})")
+        lo, hi = (_vector(b, f"intervals[{k!r}]", n) for b in lh)
+        bounds[str(k)] = (lo, hi)
     for i, (k, v) in enumerate(series.items()):
         y = _positive(v) if logy else v
-        ax.plot(xv, y, marker=mk, ms=4, lw=1.6, color=f"C{i}", label=k)
+        label = k + (f" ({interval_label})" if interval_label and k in bounds else "")
+        if k in bounds:
+            lo, hi = bounds[k]
+            err = np.stack([np.clip(y - lo, 0, None), np.clip(hi - y, 0, None)])
+            ax.errorbar(xv, y, yerr=err, marker=mk, ms=4, lw=1.6, color=f"C{i}", label=label, capsize=3,
+                        elinewidth=1.0, gid=f"interval {k}")
+        else:
+            ax.plot(xv, y, marker=mk, ms=4, lw=1.6, color=f"C{i}", label=label)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     for j, (k, v) in enumerate(hl.items()):
         ax.axhline(v, color=f"C{len(series) + j}", ls="--", lw=1.1, alpha=0.8, label=k)
     if logx:

@@ -16,16 +16,24 @@ defective eigenvalue), an ordered real Schur form: always an orthonormal real ba
 basis (e1, e2) is oriented so that I + F rotates coordinates counter-clockwise, by
 arg(1 + lambda1) with Im lambda1 > 0.
 
-Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only.
+Runs on the host (NumPy/SciPy): ``jnp.linalg.eig`` is CPU-only. :func:`spectra_of` computes
+them once per set of weights (JAX arrays W_o, W_v) and keeps them while those live, so that a
+second ``trace`` or ``align_model`` of a model costs only its forward pass; an edited model has
+new arrays and gets its own (:func:`kept_spectra`).
+
+In spectrum.json (:meth:`LayerSpectrum.to_json`, :data:`LAYER_FIELDS`) every eigenvalue is listed
+with the sizes of its eigen-groups, and ``gap`` is measured between the first two groups, so a
+dominant complex pair (one group) never reads as a gap of 0.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
+from ..dynamics.cache import per_arrays
 from ..dynamics.linalg import GROUP_RTOL, group_size, orient_plane
 from ..dynamics.params import Layers, layer_factors, layer_matrices
 from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces  # noqa: F401  (Subspaces re-exported)
@@ -57,6 +65,7 @@ class OrderedSpectrum:
     mu2: float                   # key of the first eigenvalue outside it (0 if none)
     is_complex: bool
     plane: np.ndarray = None     # (d, 2) orthonormal: principal direction(s) + the next one, for plots
+    order: str = "shifted"       # the ordering: keys |1 + lambda| (shifted) or |lambda| (plain)
 
     @property
     def ratio(self) -> float:
@@ -65,7 +74,24 @@ class OrderedSpectrum:
 
     @property
     def gap(self) -> float:
+        """mu1 - mu2: the key of the principal eigen-group less the key of the next group (the
+        first eigenvalue outside the principal group; 0 if none). Never the gap inside a complex
+        pair or a repeated eigenvalue, which are one group (:func:`~powerlens.dynamics.linalg.group_size`)."""
         return float(self.mu1 - self.mu2)
+
+    def groups(self, top_k: Optional[int] = None, rtol: float = GROUP_RTOL) -> List[int]:
+        """The sizes of the consecutive eigen-groups of ``eigenvalues`` (sum: d, or the first
+        groups covering at least ``top_k`` eigenvalues), by the one group rule
+        (:func:`~powerlens.dynamics.linalg.group_size` on this ordering's keys): a complex pair
+        is one group of 2. The gap between groups g and g+1 is key(first of g) - key(first of g+1)."""
+        key = order_key(self.eigenvalues, self.order)
+        n = len(key) if top_k is None else min(len(key), top_k)
+        out, start = [], 0
+        while start < n:
+            size = max(int(group_size(key, start, rtol)), 1)
+            out.append(size)
+            start += size
+        return out
 
 
 @dataclasses.dataclass
@@ -85,12 +111,17 @@ class LayerSpectrum:
     def get(self, order: str) -> OrderedSpectrum:
         return getattr(self, check_order(order))
 
-    def to_json(self, top_k: int = 8) -> dict:
+    def to_json(self, top_k: Optional[int] = None) -> dict:
+        """One entry of spectrum.json's ``layers`` (the fields: :data:`LAYER_FIELDS`): every
+        eigenvalue (the first ``top_k`` of each ordering with ``top_k``), the sizes of its
+        eigen-groups, and the gap, ratio, dimension and rotation of the principal group."""
         pair = lambda ev: [[float(z.real), float(z.imag)] for z in ev[:top_k]]
         return {
             "layer": self.layer,
             "eigenvalues_shifted": pair(self.shifted.eigenvalues),
             "eigenvalues_plain": pair(self.plain.eigenvalues),
+            "groups_shifted": self.shifted.groups(top_k),
+            "groups_plain": self.plain.groups(top_k),
             "orderings_differ": self.orderings_differ,
             "ratio": self.shifted.ratio,
             "ratio_plain": self.plain.ratio,
@@ -157,7 +188,7 @@ def _ordered(F: np.ndarray, w: np.ndarray, vectors, order: str, group_rtol: floa
         k = int(np.argmax(np.linalg.norm(cand, axis=0)))
         plane = np.concatenate([basis, cand[:, k:k + 1] / np.linalg.norm(cand[:, k])], axis=1)
     return OrderedSpectrum(eigenvalues=w, top=complex(top), dim=dim, basis=basis,
-                           mu1=mu1, mu2=mu2, is_complex=is_complex, plane=plane)
+                           mu1=mu1, mu2=mu2, is_complex=is_complex, plane=plane, order=order)
 
 
 SYMMETRY_RTOL = 1e-5
@@ -272,7 +303,7 @@ def layer_spectra(F, *, group_rtol: float = GROUP_RTOL, factors=None) -> List[La
     return [_layer(i, f, group_rtol, None if factors is None else factors[i]) for i, f in enumerate(F)]
 
 
-def host_matrices(layers: Layers):
+def host_layer_matrices(layers: Layers):
     """(F, factors) of every unique layer on the host, what :func:`layer_spectra` takes: the
     NumPy arrays of F "float[U d d]" (:func:`~powerlens.dynamics.params.layer_matrices`) and of
     its factors A "float[U d r]", B "float[U r d]" (:func:`~powerlens.dynamics.params.layer_factors`).
@@ -282,12 +313,63 @@ def host_matrices(layers: Layers):
 
 def spectra_of(layers: Layers, *, group_rtol: float = GROUP_RTOL) -> List[LayerSpectrum]:
     """:func:`layer_spectra` of every unique layer of ``layers`` (float64 on the host), through
-    the r x r factors of :func:`~powerlens.dynamics.params.layer_factors` where r < d."""
-    F, factors = host_matrices(layers)
-    return layer_spectra(F, group_rtol=group_rtol, factors=factors)
+    the r x r factors of :func:`~powerlens.dynamics.params.layer_factors` where r < d.
+
+    Computed once per set of weights: F_t = W_o V_cat depends on ``W_o``, ``W_v`` and the head
+    layout alone, so the result is kept (:func:`~powerlens.dynamics.cache.per_arrays`) while
+    those two JAX arrays live, keyed by their identity (JAX arrays are immutable), the head
+    layout (H, G, e), the compute dtype F is formed in and ``group_rtol``. A second
+    ``trace``/``align_model`` of the same model reuses it; an edit makes new arrays
+    (``steered_model``: W_o' = W_o + ΔO is a new array), so the edited model's spectra are
+    computed afresh, and the old entry goes with the old arrays.
+    NumPy weights (mutable) and traced ones are never cached. The list returned is a new list
+    of the shared :class:`LayerSpectrum` objects: treat them as read-only."""
+    def build():
+        F, factors = host_layer_matrices(layers)
+        return layer_spectra(F, group_rtol=group_rtol, factors=factors)
+
+    return kept_spectra(layers, build, group_rtol=group_rtol)
 
 
-def spectra_json(spectra: List[LayerSpectrum], top_k: int = 8) -> list:
+def kept_spectra(layers: Layers, build, *, group_rtol: float = GROUP_RTOL) -> List[LayerSpectrum]:
+    """``build()``, the spectra of every unique layer of ``layers`` however computed (the whole
+    stack, or one layer at a time), kept as :func:`spectra_of` keeps them: one entry per
+    (W_o, W_v, head layout, compute dtype, ``group_rtol``), dropped with the arrays; built
+    afresh every call for NumPy or traced weights."""
+    cfg = layers.config
+    dtype = np.dtype(getattr(layers, "dtype", layers.W_v.dtype)).name        # F is formed in the compute dtype
+    tag = f"spectra/H{cfg.n_heads}/G{cfg.n_kv_heads}/e{cfg.d_head}/{dtype}/rtol{group_rtol!r}"
+    kept = per_arrays(tag, (layers.W_o, layers.W_v), build)
+    return build() if kept is None else list(kept)
+
+
+LAYER_FIELDS = {
+    "layer": "the unique layer, numbered from 0",
+    "eigenvalues_shifted": "every eigenvalue lambda of F_t = O_t V_t (all d of them, zeros included), as [Re, Im], "
+                           "sorted by decreasing |1 + lambda| (the key of the shifted ordering)",
+    "eigenvalues_plain": "the same eigenvalues sorted by decreasing |lambda| (the plain ordering)",
+    "groups_shifted": "sizes of the consecutive eigen-groups of eigenvalues_shifted: eigenvalues whose keys lie within "
+                      "a relative 1e-4 of the group's first key form one group (a complex pair is one group of 2)",
+    "groups_plain": "the same for eigenvalues_plain",
+    "orderings_differ": "the shifted principal eigenvalue is not in the plain principal group",
+    "gap": "mu1 - mu2 with mu = |1 + lambda|: the key of the principal group less the key of the next group "
+           "(the eigenvalue after the first groups_shifted[0] entries); never 0 from a complex pair, "
+           "which is one group",
+    "gap_plain": "the same with mu = |lambda|, between the first two groups of eigenvalues_plain",
+    "ratio": "mu2 / mu1 (shifted keys): the power-method rate toward the principal subspace",
+    "ratio_plain": "mu2 / mu1 with mu = |lambda|",
+    "complex": "the shifted principal group is a complex pair", "complex_plain": "the same, plain ordering",
+    "dim": "dimension of the shifted principal invariant subspace (groups_shifted[0], unless defective)",
+    "dim_plain": "the same, plain ordering",
+    "rotation_per_step": "|arg(1 + lambda_1)|, radians: the turn per step of a dominant complex pair",
+    "group": "(ALBERT) the layer group of this unique layer",
+}
+"""What each field of a layer entry of spectrum.json (and of align.json's ``layers``) means:
+both files carry it as ``layer_fields``."""
+
+
+def spectra_json(spectra: List[LayerSpectrum], top_k: Optional[int] = None) -> list:
+    """:meth:`LayerSpectrum.to_json` of every layer: all eigenvalues unless ``top_k``."""
     return [s.to_json(top_k) for s in spectra]
 
 

@@ -2,7 +2,7 @@
 
 The Python twin of ``powerlens align`` and a researcher's activation cache in one result::
 
-    tr = trace(model, ["The capital of France is"], rule="full", attention_weights=True)
+    tr = trace(model, ["The capital of France is"], attention_weights=True)   # Dynamics.full()
     tr.inputs[t], tr.outputs[t]     # "float[B n d]" what layer t reads and writes (steps 0-based)
     tr.attention[t]                 # "float[B H n n]" its softmax weights, per head
     tr.gamma["principal"][t]        # gamma_t against that layer's principal subspace; also
@@ -31,11 +31,12 @@ import numpy as np
 
 from ..dynamics.inputs import check_batch
 from ..dynamics.observers import attention_maps, rotation_planes, run_observers
+from ..dynamics.options import Dynamics, as_dynamics
 from ..dynamics.projections import prepared_projections
 from ..dynamics.run import map_prompts, platform_of, prompt_chunk, run
 from ..dynamics.simulate import pooled, trajectory
 from .alignment import model_spectra, resolve_rule
-from .experiment import NonFiniteStateError, StepMeasures, first_non_finite, step_measures
+from .experiment import NonFiniteStateError, StepMeasures, first_non_finite, prompt_values, step_measures
 from .spectra import LayerSpectrum, check_order, reference_subspaces
 
 CONTROLS = ("principal", "random", "other_layer")
@@ -61,8 +62,10 @@ class Trace:
       logits: "float[B n V]" the LM head on the final norm of x_T (decoders; None for an
         encoder): the model's logits under rule ``full``.
       measures: the pooled measures per state t = 0..T (index 0: x_0), exactly the ``steps``
-        of ``powerlens align``'s align.json for this ordering.
-      spectra: the spectra of the unique layers.
+        of ``powerlens align``'s align.json for this ordering, with each prompt's gamma_t and
+        rho_t (``measures.prompt_gamma``, ``prompt_rho`` "float[B T+1]").
+      spectra: the spectra of the unique layers (computed once per set of weights and kept:
+        :func:`~powerlens.analysis.spectra.spectra_of`).
     """
 
     rule: str
@@ -128,36 +131,45 @@ def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, kee
                               extras={"attention": attention_maps(layers, rule=rule)} if maps else None)
 
     def one(x, v):
-        return run(layers, x, v, rule=rule, attention="softmax", observers=observers, keep_bias=keep_bias,
+        return run(layers, x, v, dynamics=Dynamics(rule, "softmax", keep_bias), observers=observers,
                    projections=projections)
 
     out_axes = {name: int(name in ("states", "attention")) for name in observers}
     return map_prompts(one, X0, valid, chunk, out_axes=out_axes)
 
 
-def trace(model, prompts: Sequence, *, rule: str = "full", order: str = "shifted", attention_weights: bool = False,
-          keep_bias: Optional[bool] = None, seed: int = 0,
-          spectra: Optional[List[LayerSpectrum]] = None) -> Trace:
+def trace(model, prompts: Sequence, *, dynamics: Optional[Dynamics] = None, order: str = "shifted",
+          attention_weights: bool = False, seed: int = 0, spectra: Optional[List[LayerSpectrum]] = None,
+          rule: Optional[str] = None, keep_bias: Optional[bool] = None) -> Trace:
     """Run ``model`` on ``prompts`` once and keep every state, the measures and the logits.
 
     Args:
       model: a loaded :class:`~powerlens.models.base.Model`.
       prompts: texts (tokenized by the model's tokenizer) or token-id lists.
-      rule: ``full`` (default: the model's own blocks, FFN included, so ``logits`` are the
-        model's), ``paper``, ``post_ln``, ``pre_ln`` or ``faithful`` (the model's attention-only rule).
+      dynamics: a :class:`~powerlens.dynamics.options.Dynamics` with softmax attention; default
+        ``Dynamics.full()`` (the model's own blocks, FFN included, so ``logits`` are the
+        model's); its rule may be ``paper``, ``post_ln``, ``pre_ln`` or ``faithful`` (the
+        model's attention-only rule), its ``keep_bias`` None keeps c = O b_v + b_o except
+        under ``paper``.
       order: the ordering of the reference subspaces, ``shifted`` (by |1 + lambda|) or ``plain``.
       attention_weights: also keep every step's attention weights per head, "float[T B H n n]"
         (O(T B H n^2) memory).
-      keep_bias: keep the constant c = O b_v + b_o (default: dropped by ``paper`` only).
+      rule, keep_bias: deprecated, ``dynamics``' fields as loose keywords.
       seed: the seed of the random-subspace control (as ``powerlens align --seed``).
-      spectra: the spectra of the model's layers, when computed already (``model_spectra``).
+      spectra: the spectra of the model's layers, when computed already (``model_spectra``);
+        by default those of :func:`~powerlens.analysis.spectra.spectra_of`, computed on the
+        first call for these weights and taken from its cache on the next ones (an edited
+        model, e.g. ``steered_model``, has new weights and gets its own).
 
     Returns a :class:`Trace`. Raises a :class:`~powerlens.analysis.experiment.NonFiniteStateError`
     naming the first step whose state or measure is not finite.
     """
     from ..models.embed import embed_ids, padded_ids, prompt_ids
     from ..models.forward import logits as model_logits
-    r = resolve_rule(model, rule)
+    dyn = as_dynamics(dynamics, rule, None, keep_bias, default=Dynamics.full(), where="trace")
+    if dyn.attention != "softmax":
+        raise ValueError(f"trace runs the model's softmax attention; got Dynamics.attention={dyn.attention!r}")
+    r, keep_bias = resolve_rule(model, dyn.rule), dyn.keep_bias
     check_order(order)
     if not isinstance(attention_weights, bool):
         raise ValueError(f"attention_weights must be True or False, got {attention_weights!r}")
@@ -168,12 +180,13 @@ def trace(model, prompts: Sequence, *, rule: str = "full", order: str = "shifted
     spectra = model_spectra(model) if spectra is None else spectra
     if len(spectra) != layers.n_unique:
         raise ValueError(f"spectra has {len(spectra)} layers, the model {layers.n_unique} unique layers")
-    subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.W_v.dtype)
+    subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.dtype)
     out = _trace_batch(layers, X0, valid, subs, prepared_projections(layers, "softmax"),
                        rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
                        chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
     all_states = out.pop("states")          # steps-first "float[T+1 B n d]": the Trace's own
-    metrics = pooled(trajectory(out, valid, subs.names))
+    traj = trajectory(out, valid, subs.names)
+    metrics = pooled(traj)
     schedule = np.asarray(layers.schedule.array(0, len(layers.schedule)), np.int64)
     bad = first_non_finite(metrics, np.asarray(subs.dim)[schedule] > 0)
     if bad is not None:
@@ -181,4 +194,5 @@ def trace(model, prompts: Sequence, *, rule: str = "full", order: str = "shifted
     decoder = bool(model.info is not None and model.info.decoder)
     return Trace(rule=r, order=order, ids=ids, valid=valid, layer=schedule, states=all_states,
                  attention=out.get("attention"), logits=model_logits(model, out["final"]) if decoder else None,
-                 measures=step_measures(metrics, schedule, subs, layers.config.d_model), spectra=spectra)
+                 measures=step_measures(metrics, schedule, subs, layers.config.d_model, [prompt_values(traj, subs)]),
+                 spectra=spectra)

@@ -6,8 +6,9 @@ import threading
 from typing import Callable, List
 
 from .. import io
-from ..analysis.alignment import align_model, model_spectra
-from ..analysis.spectra import ORDERS, host_matrices, layer_spectra, spectra_json
+from ..analysis.alignment import align_model, model_spectra, spectra_by_layer, whole_stack_fits
+from ..analysis.spectra import LAYER_FIELDS, ORDERS, host_layer_matrices, layer_spectra, spectra_json
+from ..dynamics.options import Dynamics
 from ..dynamics.params import check_steps
 from . import budget
 from .simulate import settings_of
@@ -56,6 +57,23 @@ def layers_json(model, spectra) -> list:
     return out
 
 
+def dtypes_json(model) -> dict:
+    """What the model's weights are held in, what its steps compute in and at which matmul precision."""
+    layers = model.layers
+    return {"storage_dtype": str(layers.storage_dtype), "compute_dtype": str(layers.dtype),
+            "precision": layers.config.precision}
+
+
+class Done:
+    """A value already computed, with :class:`InBackground`'s ``result()``."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
 class InBackground:
     """``fn(*args, **kwargs)`` started in a daemon thread at once; :meth:`result` waits for it and
     returns its value, or raises its exception. For NumPy work that spends its time in LAPACK,
@@ -84,13 +102,17 @@ class InBackground:
 def cmd_spectrum_model(args) -> int:
     from ..analysis import plots
     from ..models import load
-    model = load(args.model, allow_download=getattr(args, "allow_download", False))
-    budget.check(budget.spectra_estimate(model.layers.n_unique, model.layers.config.d_model))
-    spectra = model_spectra(model)
+    # F_t = W_o V_cat needs each layer's W_v and W_o alone: nothing else is read
+    model = load(args.model, allow_download=getattr(args, "allow_download", False), parts="spectrum")
+    # the whole stack of F_t at once, or (a large model) one layer's F and eig workspace at a time
+    at_once = model.layers.n_unique if whole_stack_fits(model.layers) else 1
+    budget.check(budget.spectra_estimate(at_once, model.layers.config.d_model))
+    spectra = model_spectra(model, progress=not args.quiet)
     doc = {"settings": {**settings_of(args), "versions": io.versions()},
            "model": {"family": model.info.family, "source": model.info.source,
-                     "unique_layers": model.layers.n_unique, "schedule": list(model.layers.schedule)},
-           "layers": layers_json(model, spectra)}
+                     "unique_layers": model.layers.n_unique, "schedule": list(model.layers.schedule),
+                     **dtypes_json(model)},
+           "layer_fields": LAYER_FIELDS, "layers": layers_json(model, spectra)}
     with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "spectrum.json"), doc)
         plots.plot_eigenvalues(spectra, os.path.join(stage, "eigenvalues.png"),
@@ -107,23 +129,29 @@ def cmd_align(args) -> int:
         raise ValueError("--shared-layer and --steps go together")
     if args.steps is not None:
         check_steps(args.steps)
-    model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    # align's rules (paper, post_ln, pre_ln) never read the FFN or the LM head
+    model = load(args.model, allow_download=getattr(args, "allow_download", False), parts="attention")
     layers = model.layers
-    budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
-    # the spectra (spectra_of, split where JAX ends) are computed on another core while this
-    # thread embeds the prompts and imports the figure's modules: LAPACK releases the GIL
-    F, factors = host_matrices(layers)
-    spectra = InBackground(layer_spectra, F, factors=factors)
+    if whole_stack_fits(layers):
+        budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
+        # the spectra (spectra_of, split where JAX ends) are computed on another core while this
+        # thread embeds the prompts and imports the figure's modules: LAPACK releases the GIL
+        F, factors = host_layer_matrices(layers)
+        spectra = InBackground(layer_spectra, F, factors=factors)
+    else:                                     # a large model: one layer's F at a time
+        budget.check(budget.spectra_estimate(1, layers.config.d_model))
+        spectra = Done(spectra_by_layer(layers, progress=not args.quiet))
     x0, valid = embed(model, texts)
     steps = len(layers.schedule) if args.steps is None else args.steps
     budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=steps, batch=x0.shape[0], tokens=x0.shape[1],
                                      orders=len(ORDERS)))
     from ..analysis import plots  # noqa: F401  (imported here, beside the spectra; result.plot draws with it)
     versions = io.versions()
-    result = align_model(model, texts, rule=args.rule, shared_layer=args.shared_layer, steps=args.steps,
-                         seed=args.seed, progress=not args.quiet, x0=x0, valid=valid, spectra=spectra.result())
-    doc = {"settings": {**settings_of(args), "versions": versions}, **result.to_json(),
-           "layers": layers_json(model, result.spectra)}
+    result = align_model(model, texts, dynamics=Dynamics(rule=args.rule), shared_layer=args.shared_layer,
+                         steps=args.steps, seed=args.seed, progress=not args.quiet, x0=x0, valid=valid,
+                         spectra=spectra.result())
+    doc = {"settings": {**settings_of(args), "versions": versions}, "model": dtypes_json(model), **result.to_json(),
+           "layer_fields": LAYER_FIELDS, "layers": layers_json(model, result.spectra)}
     with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "align.json"), doc)
         result.plot(stage, title=args.model)

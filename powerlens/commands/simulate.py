@@ -6,13 +6,25 @@ import os
 from .. import io
 from ..analysis.experiment import NonFiniteStateError, plot_measures, rows_csv, run_system
 from ..analysis.spectra import spectra_json, spectra_of
+from ..dynamics.options import Dynamics
 from . import budget
 from .system import build_system, initial_tokens, token_shape
 
 
+SYNTHETIC_OPTIONS = ("kind", "dim", "heads", "beta")
+"""Options of a synthetic system (``--spectrum``): they apply to nothing else."""
+
+
 def settings_of(args) -> dict:
+    """The options that applied to a run, for its JSON: what was left unset (None) is left out,
+    and so are the synthetic system's options (kind, dim, heads, beta) unless ``--spectrum``
+    built it, and ``--norm`` under the paper rule (always L2)."""
     skip = {"func", "command"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
+    if not getattr(args, "spectrum", None):
+        skip.update(SYNTHETIC_OPTIONS)
+    if getattr(args, "rule", None) in (None, "paper"):
+        skip.add("norm")
+    return {k: v for k, v in vars(args).items() if k not in skip and v is not None}
 
 
 def write_run_figures(stage: str, res, *, title: str = "") -> list:
@@ -46,9 +58,9 @@ def cmd_simulate(args) -> int:
                                      save_states=args.save_states))
     x0 = initial_tokens(args, d)
     try:
-        res = run_system(layers, x0, rule=args.rule, attention=args.attention, order=args.order,
-                         keep_bias=args.keep_bias or None, seed=args.seed, save_states=args.save_states,
-                         progress=not args.quiet)
+        res = run_system(layers, x0, dynamics=Dynamics(rule=args.rule, attention=args.attention,
+                                                       keep_bias=args.keep_bias or None),
+                         order=args.order, seed=args.seed, save_states=args.save_states, progress=not args.quiet)
     except NonFiniteStateError as exc:
         raise exc.with_hint(non_finite_hint(args)) from None
     rows = res.measures.rows()

@@ -51,11 +51,12 @@ def _forwarded(args) -> list:
 
 def cmd_sweep(args) -> int:
     from .. import io
-    from ..sweeps import distributed
+    from ..runtime import distributed, threads, workers
     from ..sweeps.report import parse_plot
     from ..sweeps.spec import load_spec
     from ..sweeps.api import folder_spec
     from ..sweeps.store import check_folder
+    workers.bind_to_parent_from_env()              # a worker of `--processes N`: it ends with its launcher
     if args.processes < 1:
         raise ValueError(f"--processes must be a positive integer, got {args.processes}")
     distributed.check_init_timeout(args.init_timeout)          # nan or inf would wait for ever
@@ -66,16 +67,16 @@ def cmd_sweep(args) -> int:
         if args.coordinator:
             raise ValueError("--processes starts its own workers; it cannot be combined with --coordinator")
         check_folder(target, folder_spec(spec), args.overwrite)   # refused before any worker starts
-        return distributed.spawn(_forwarded(args), args.processes)
+        return workers.spawn(_forwarded(args), args.processes)
     # before anything starts the backend: the numbers then do not depend on the process count
     from ..dynamics.execution import backends_initialized
     if not backends_initialized():                  # too late in a process whose JAX has started
         env = dict(os.environ)
-        if distributed.same_numbers_xla(env):
+        if threads.same_numbers_xla(env):
             os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.init_timeout)
     if multi:
-        distributed.start_xla()                     # after jax.distributed: one thread when worker_env asked
+        threads.start_xla()                         # after jax.distributed: one thread when worker_env asked
     import jax
     from ..sweeps.api import sweep
     rank = jax.process_index()

@@ -14,6 +14,7 @@ from .projections import Projections, prepared_projections, qkv_weight
 from .subspaces import REFERENCES, Subspaces, null_subspaces, stack_subspaces
 from .observers import Alignment, Observer, Step, alignment, consensus, final, finite, states
 from .measures import Consensus
+from .options import Dynamics
 from .run import run, run_batch
 from .simulate import Trajectory, pooled, simulate, simulate_batch
 
@@ -23,5 +24,5 @@ __all__ = [
     "ATTENTION_MODES", "attention_weights", "Projections", "prepared_projections", "qkv_weight",
     "REFERENCES", "Subspaces", "null_subspaces", "stack_subspaces",
     "Alignment", "Consensus", "Observer", "Step", "alignment", "consensus", "final", "finite", "states",
-    "run", "run_batch", "Trajectory", "pooled", "simulate", "simulate_batch",
+    "Dynamics", "run", "run_batch", "Trajectory", "pooled", "simulate", "simulate_batch",
 ]

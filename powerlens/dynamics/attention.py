@@ -147,7 +147,7 @@ def qkv_rows(W_q, W_k, W_v):
     return jnp.concatenate([flat(a) for a in (W_q, W_k, W_v)], axis=-2)
 
 
-def _softmax_qkv(lp, X, positions=None, qkv=None):
+def softmax_qkv(lp, X, positions=None, qkv=None):
     """Head-major q "float[H n e]" and k, v "float[G n e]" of one layer from one fused
     projection X @ qkv (made head-major by one transpose of all three), with the q/k
     biases, then the per-head q/k norm (over e, of the config's norm kind, when the layer has
@@ -192,7 +192,7 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     by loops that reuse it.
     q, k, v are made head-major "float[H n e]" (the layout XLA runs fastest: an einsum over
     the token-major arrays inserts a transpose per operand, and was 17 % slower for one MiniLM
-    layer at 8 x 128 tokens; :func:`_softmax_qkv`); query blocks keep grouped-query
+    layer at 8 x 128 tokens; :func:`softmax_qkv`); query blocks keep grouped-query
     keys and values as their G heads, the other schedules repeat them to H), then, by
     ``config.attention_block``:
 
@@ -205,8 +205,13 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
                       applies (:func:`check_fused_attention`: an NVIDIA GPU, a float16 or
                       bfloat16 system).
     """
-    q, k, v = _softmax_qkv(lp, X, positions, qkv)                       # (H, n, e), (G, n, e)
-    n, setting, r = X.shape[0], lp.config.attention_block, lp.config.kv_group
+    return softmax_mix(lp, *softmax_qkv(lp, X, positions, qkv), valid)
+
+
+def softmax_mix(lp, q, k, v, valid):
+    """M "float[n H e]" of :func:`softmax_attention_mix` from head-major q "float[H n e]" and
+    k, v "float[G n e]" already formed (:func:`softmax_qkv`), scheduled as that function says."""
+    n, setting, r = q.shape[1], lp.config.attention_block, lp.config.kv_group
     if setting == FUSED:                                                # cuDNN's fused kernel
         check_fused_attention(lp, q.dtype)
         return fused_attention_mix(lp, *(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), valid)

@@ -9,6 +9,10 @@ CPU tuning constants.
     system_map(fn, mesh, micro, ...)         -> jit(shard_map(lax.map(vmap(fn)))) over a leading axis
     map_systems(fn, tree, *, devices, micro) -> fn over the leading axis of ``tree``: padded,
                                                 sharded, micro-batched, the padding dropped
+    model_mesh(model, data, devices)         -> 2-D Mesh ("data", "model"): one model over devices
+    axis_sharding(mesh, ndim, axis, name)    -> NamedSharding splitting one axis over ``name``
+    put(a, sharding)                         -> ``a`` placed with ``sharding`` (any process count)
+    host_array(a)                            -> the whole of ``a`` as NumPy on every process
 
 ``map_systems`` is what :func:`powerlens.dynamics.sweep.simulate_sweep`, the sweep engine
 (:mod:`powerlens.sweeps.engine`) and the steering optimiser
@@ -104,6 +108,74 @@ def place(tree, mesh, *, spread: str = "local"):
         return jax.device_put(tree, sharding)
     return jax.tree_util.tree_map(
         lambda a: jax.make_array_from_callback(a.shape, sharding, lambda idx, a=a: a[idx]), tree)
+
+
+# ------------------------------------------------------------------ one model over devices
+
+DATA, MODEL = "data", "model"
+"""The axes of a model mesh (:func:`model_mesh`): prompts split over ``data``, each layer's
+heads, FFN width and the vocabulary over ``model`` (``powerlens.models.shard``)."""
+
+
+def model_mesh(model: Optional[int] = None, data: int = 1, devices: Union[None, str, Sequence] = None):
+    """The 2-D mesh ``(data, model)`` with axes :data:`DATA` and :data:`MODEL` over ``devices``:
+    None or ``"global"`` (every process's devices, ``jax.devices()``, laid out by
+    ``jax.make_mesh``), ``"local"`` (this process's) or a sequence of devices. ``model``
+    defaults to the device count over ``data``; ``data * model`` must equal the device count
+    (a ValueError naming both otherwise). Neighbouring devices (one host, one NVLink island)
+    share the ``model`` axis, whose collectives run once per layer."""
+    if devices is None or isinstance(devices, str):
+        if devices not in (None, "global", "local"):
+            raise ValueError(f"devices {devices!r}: expected None, 'global', 'local' or a list of devices")
+        devices = jax.local_devices() if devices == "local" else jax.devices()
+    devices = list(devices)
+    for name, v in (("data", data), ("model", model)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"model_mesh: {name}={v!r} must be a positive integer")
+    data = int(data)
+    model = len(devices) // data if model is None else int(model)
+    if data * model != len(devices) or model < 1:
+        raise ValueError(f"model_mesh: data={data} x model={model} must equal the {len(devices)} devices")
+    from jax.sharding import AxisType, Mesh
+    if len(devices) == jax.device_count() and devices == list(jax.devices()):
+        try:     # Auto axes: XLA's partitioner places every intermediate (make_mesh's default is Explicit)
+            return jax.make_mesh((data, model), (DATA, MODEL), (AxisType.Auto,) * 2, devices=devices)
+        except (TypeError, ValueError, NotImplementedError):  # pragma: no cover - no topology-aware layout
+            pass
+    return Mesh(np.array(devices).reshape(data, model), (DATA, MODEL))
+
+
+def axis_sharding(mesh, ndim: int, axis: Optional[int] = None, name: str = MODEL):
+    """The placement of an ``ndim``-dimensional array on ``mesh``: axis ``axis`` split over the
+    mesh axis ``name``, every other axis (all of them when ``axis`` is None) replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return NamedSharding(mesh, P(*[name if i == axis else None for i in range(ndim)]))
+
+
+def put(a, sharding):
+    """``a`` (a NumPy or JAX array) placed with ``sharding``: ``jax.device_put`` when this process
+    holds every device of it, else each process gives the shards of its own devices from its
+    copy of ``a`` (``jax.make_array_from_callback``: every process must hold the same values,
+    as every process of a multi-host load does). Waits for the copy, so the source of a large
+    weight can be freed at once."""
+    if sharding.is_fully_addressable:
+        out = jax.device_put(a, sharding)
+    else:
+        host = a if isinstance(a, np.ndarray) else np.asarray(a)
+        out = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    out.block_until_ready()
+    return out
+
+
+def host_array(a) -> np.ndarray:
+    """The whole of ``a`` as a NumPy array, on every process: ``np.asarray`` when this process
+    holds all of it (one host, or a replicated array), else gathered from every process
+    (``multihost_utils.process_allgather``; every process must call it, as in any SPMD program).
+    Across hosts, ``np.asarray`` of an array split over other hosts' devices is an error."""
+    if not isinstance(a, jax.Array) or a.is_fully_addressable or a.is_fully_replicated:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
 
 
 # ------------------------------------------------------------------ micro-batches and padding

@@ -64,18 +64,28 @@ def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention:
         M = (A @ V).reshape(n, cfg.n_kv_heads, cfg.d_head)
         if cfg.kv_group > 1:
             M = jnp.repeat(M, cfg.kv_group, axis=1)                    # (n, H, e)
-    M = M.reshape(n, -1)
-    out = M @ lp.W_o.T if P.out is None else M @ P.out
+    return head_output(lp, M.reshape(n, -1), keep_bias=keep_bias, out=P.out)
+
+
+def head_output(lp: Layer, M: "float[... He]", *, keep_bias: bool = False,
+                out: "float[He d] | None" = None) -> "float[... d]":
+    """The heads' mixed values M (concatenated over heads) projected by W_o: M W_o^T, plus
+    c = O b_v + b_o when ``keep_bias``. ``out``: the (in, out) copy W_o^T, when prepared
+    (:class:`~powerlens.dynamics.projections.Projections`); else W_o's rows are read in place."""
+    cfg = lp.config
+    y = M @ lp.W_o.T if out is None else M @ out
     if keep_bias:
         if lp.b_v is not None:
             b_v = jnp.repeat(lp.b_v, cfg.kv_group, axis=0).reshape(-1)
-            out = out + lp.W_o @ b_v
+            y = y + lp.W_o @ b_v
         if lp.b_o is not None:
-            out = out + lp.b_o
-    return out
+            y = y + lp.b_o
+    return y
 
 
-def _norm(lp, X, which: str):
+def norm_of(lp, X, which: str):
+    """The layer's norm ``which`` (``norm``, ``ffn_norm``, ``post_attn_norm``, ``post_ffn_norm``) of
+    X "float[n d]": its ``{which}_scale`` and ``{which}_bias`` with the config's kind and eps."""
     cfg = lp.config
     scale = getattr(lp, f"{which}_scale")
     bias = getattr(lp, f"{which}_bias", None)
@@ -84,7 +94,7 @@ def _norm(lp, X, which: str):
 
 def _post(lp, Y, which: str):
     """The sandwich post-norm ``which`` (``post_attn_norm``, ``post_ffn_norm``) of Y, when the layer has it."""
-    return Y if getattr(lp, f"{which}_scale") is None else _norm(lp, Y, which)
+    return Y if getattr(lp, f"{which}_scale") is None else norm_of(lp, Y, which)
 
 
 def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
@@ -92,7 +102,7 @@ def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
     act = lp.config.ffn_activation
     if act is None or lp.W_in is None or lp.W_out is None:
         raise ValueError("rule 'full' needs FFN parameters (W_in, W_out and ffn_activation); "
-                         "this system has none: load it from a checkpoint")
+                         "this system has none: load it from a checkpoint, with every part (parts='all')")
     h = X @ lp.W_in.T
     if lp.b_in is not None:
         h = h + lp.b_in
@@ -124,16 +134,16 @@ def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "pap
     if rule == "paper":
         return l2_normalize(X + attention_output(lp, X, valid, **kw))
     if rule == "post_ln":
-        return _norm(lp, X + attention_output(lp, X, valid, **kw), "norm")
+        return norm_of(lp, X + attention_output(lp, X, valid, **kw), "norm")
     if rule == "pre_ln":
-        return X + _post(lp, attention_output(lp, _norm(lp, X, "norm"), valid, **kw), "post_attn_norm")
+        return X + _post(lp, attention_output(lp, norm_of(lp, X, "norm"), valid, **kw), "post_attn_norm")
     # full
     return full_block(lp, X, attention_output(lp, full_attention_input(lp, X), valid, **kw))
 
 
 def full_attention_input(lp: Layer, X: "float[... d]") -> "float[... d]":
     """What rule ``full``'s attention reads: X (post norm) or LN1 X (pre norm)."""
-    return X if lp.config.norm_placement == "post" else _norm(lp, X, "norm")
+    return X if lp.config.norm_placement == "post" else norm_of(lp, X, "norm")
 
 
 def full_block(lp: Layer, X: "float[... d]", attn: "float[... d]") -> "float[... d]":
@@ -141,13 +151,13 @@ def full_block(lp: Layer, X: "float[... d]", attn: "float[... d]") -> "float[...
     norm) or attn(LN1 X) (pre norm; see :func:`layer_step`): residuals, norms and FFN, any
     leading axes (the steering objectives evaluate it at a prompt's last token only)."""
     if lp.config.norm_placement == "post":
-        h = _norm(lp, X + attn, "norm")
-        return _norm(lp, h + ffn(lp, h), "ffn_norm")
+        h = norm_of(lp, X + attn, "norm")
+        return norm_of(lp, h + ffn(lp, h), "ffn_norm")
     if lp.config.parallel_residual:     # GPT-NeoX / Phi: both sub-layers read X
-        Xf = _norm(lp, X, "norm" if lp.ffn_norm_scale is None else "ffn_norm")
+        Xf = norm_of(lp, X, "norm" if lp.ffn_norm_scale is None else "ffn_norm")
         return X + attn + ffn(lp, Xf)
     h = X + _post(lp, attn, "post_attn_norm")
-    return h + _post(lp, ffn(lp, _norm(lp, h, "ffn_norm")), "post_ffn_norm")
+    return h + _post(lp, ffn(lp, norm_of(lp, h, "ffn_norm")), "post_ffn_norm")
 
 
 def faithful_rule(config) -> str:

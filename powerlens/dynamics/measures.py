@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from . import struct
+from .linalg import pow2_scale
 
 
 def _weights(valid, dtype):
@@ -43,18 +44,11 @@ def _safe(norms):
     return jnp.where(norms > 0, norms, 1.0)
 
 
-def _pow2_scale(a):
-    """2^e with a / 2^e in [1/2, 1) for a > 0 (1 for a = 0; inf and NaN pass through as
-    themselves, so that they poison what they scale): dividing by it is exact."""
-    _, e = jnp.frexp(a)
-    return jnp.where(jnp.isfinite(a), jnp.where(a > 0, jnp.ldexp(jnp.ones_like(a), e), 1.0), a)
-
-
 def row_scaled(X):
     """(Xp, p, r2) of X "float[n d]": p_i "float[n]" the power of two near the largest |entry|
     of row i, Xp = x_i / p_i (exact; entries in (-1, 1)) and r2_i = ||x_i / p_i||^2 "float[n]",
     so ||x_i|| = p_i sqrt(r2_i) without squaring a large entry."""
-    p = _pow2_scale(jnp.max(jnp.abs(X), axis=-1))
+    p = pow2_scale(jnp.max(jnp.abs(X), axis=-1))
     Xp = X / p[:, None]
     return Xp, p, jnp.sum(Xp * Xp, axis=-1)
 
@@ -72,7 +66,7 @@ def masked_mean(values, valid):
     return jnp.sum(values * w, axis=-1) / n
 
 
-def alignment(X, basis):
+def token_alignment(X, basis):
     """gamma_i = ||B^T x_i|| / ||x_i|| of every token: X "float[n d]", B "float[d k]" -> "float[n]"."""
     return jnp.linalg.norm(unit_rows(X) @ basis, axis=-1)
 
@@ -135,7 +129,7 @@ def consensus_measures(X, valid) -> Consensus:
     w, n = _weights(valid, X.dtype)
     v = valid[:, None]
     Xp, p, r2 = row_scaled(X)
-    c = _pow2_scale(jnp.max(jnp.where(valid, jnp.max(jnp.abs(X), axis=-1), 0)))
+    c = pow2_scale(jnp.max(jnp.where(valid, jnp.max(jnp.abs(X), axis=-1), 0)))
     ratio = jnp.where(valid, p / c, 0)               # exact powers of two, <= 1; 0 for padding
     inv_norm = jnp.where(valid, 1 / _safe(jnp.sqrt(r2)), 0)
     xbar, s = jnp.stack([ratio / n, inv_norm]) @ jnp.where(v, Xp, 0)

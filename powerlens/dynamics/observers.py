@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 from . import struct
 
-from .attention import _softmax_qkv, check_attention, key_bias, uniform_weights
+from .attention import softmax_qkv, check_attention, key_bias, uniform_weights
 from .cache import per_arrays
-from .layer import _norm, check_rule
+from .layer import norm_of, check_rule
+from .linalg import pow2_scale, scaled_norm
 from .measures import consensus_measures, masked_mean, mean_angle, unit_rows
 from .params import layer_factors
 from .subspaces import Subspaces, reference_index
@@ -131,9 +132,15 @@ def complex_pair_planes(subspaces: Subspaces, layers, p: int):
     # forming F is O(U d^2 r) (SmolLM2: 11 GFLOP, more than the run of a 1 x 16 prompt)
     A, B = layer_factors(layers)                                        # (U, d, r), (U, r, d)
     T2 = jnp.einsum("udi,udr->uir", B2, A) @ jnp.einsum("urd,udj->urj", B, B2)
-    disc = 0.25 * (T2[:, 0, 0] - T2[:, 1, 1]) ** 2 + T2[:, 0, 1] * T2[:, 1, 0]
-    tol = (1e-5 * jnp.max(jnp.abs(T2), axis=(1, 2))) ** 2
-    return (subspaces.dim[:, p] == 2) & (disc < -tol)
+
+    def below(T):                       # disc < -tol, both quadratic in T
+        disc = 0.25 * (T[:, 0, 0] - T[:, 1, 1]) ** 2 + T[:, 0, 1] * T[:, 1, 0]
+        tol = (1e-5 * jnp.max(jnp.abs(T), axis=(1, 2))) ** 2
+        return disc < -tol, jnp.isfinite(disc) & jnp.isfinite(tol)
+
+    plain, ok = below(T2)               # where a square overflows: the same test on T2 / c (c a power of two)
+    scaled, _ = below(T2 / pow2_scale(jnp.max(jnp.abs(T2), axis=(1, 2)))[:, None, None])
+    return (subspaces.dim[:, p] == 2) & jnp.where(ok, plain, scaled)
 
 
 def _rotation_reference(subspaces: Subspaces, rotation_in: str) -> Optional[int]:
@@ -293,8 +300,8 @@ def _mean_tangent(basis: "float[d k]") -> Callable:
         w = valid.astype(X.dtype)
         m = jnp.sum(X * w[:, None], axis=0) / jnp.maximum(jnp.sum(w), 1.0)
         c = m @ basis
-        perp = jnp.linalg.norm(m - basis @ c)
-        return perp / jnp.maximum(jnp.linalg.norm(c), jnp.finfo(X.dtype).tiny)
+        perp = scaled_norm(m - basis @ c, small=False)         # the plain norms unless a square overflows
+        return perp / jnp.maximum(scaled_norm(c, small=False), jnp.finfo(X.dtype).tiny)
     return tan
 
 
@@ -347,7 +354,7 @@ def attention_input(lp, X: "float[n d]", rule: str) -> "float[n d]":
     :func:`~powerlens.dynamics.layer.layer_step` applies it): the layer's first norm of X for
     ``pre_ln`` and for ``full`` on a pre-norm model, X itself otherwise."""
     pre = rule == "pre_ln" or (rule == "full" and lp.config.norm_placement != "post")
-    return _norm(lp, X, "norm") if pre else X
+    return norm_of(lp, X, "norm") if pre else X
 
 
 def head_weights(lp, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
@@ -364,7 +371,7 @@ def head_weights(lp, X: "float[n d]", valid: "bool[n]", *, attention: str = "sof
     if attention != "softmax":
         A = uniform_weights(n, valid, cfg.causal, X.dtype) if attention == "uniform" else jnp.eye(n, dtype=X.dtype)
         return jnp.broadcast_to(A, (cfg.n_heads, n, n))
-    q, k, _ = _softmax_qkv(lp, X, positions)                          # (H, n, e), (G, n, e)
+    q, k, _ = softmax_qkv(lp, X, positions)                          # (H, n, e), (G, n, e)
     if cfg.kv_group > 1:
         k = jnp.repeat(k, cfg.kv_group, axis=0)
     s = jnp.einsum("hme,hje->hmj", q, k)

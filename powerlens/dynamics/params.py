@@ -29,6 +29,13 @@ the config, a compact :class:`~powerlens.dynamics.schedule.Schedule`: ``None`` m
 ``Schedule.range(U)`` (a layer-varying model); a shared-weight system is one layer with
 ``Schedule.repeat(0, T)`` (three integers, however large T); ALBERT's layer groups are a
 short explicit tuple of group indices. Weights are never tiled.
+
+Dtypes: the arrays keep the dtype they were stored in (a bf16 checkpoint stays bf16, the
+softmax scale and RoPE bases at least float32). ``config.compute_dtype`` is what a step
+computes in (None: the weights' own dtype): :func:`~powerlens.dynamics.run.run` casts each
+layer's weights to it inside the scan step (:func:`cast_layer`), so at most one layer is
+ever upcast. ``config.precision`` is the matmul precision of every step
+(``jax.default_matmul_precision``; default ``"highest"``, full float32, never TF32).
 """
 from __future__ import annotations
 
@@ -45,6 +52,18 @@ from .schedule import Schedule
 NORMS = ("l2", "layernorm", "rmsnorm")
 FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
 SANDWICH_NORMS = ("post_attn_norm_scale", "post_ffn_norm_scale")
+
+
+PRECISIONS = ("highest", "high", "default", "float32", "tensorfloat32", "bfloat16")
+"""Matmul precisions ``LayerConfig.precision`` accepts (``jax.default_matmul_precision``)."""
+
+
+def wide(a):
+    """A dtype, or an array cast to it, of at least float32 precision (float64 stays)."""
+    if isinstance(a, (np.dtype, type, str)):
+        return np.promote_types(np.dtype(a), np.float32)
+    dt = np.promote_types(a.dtype, np.float32)
+    return a if a.dtype == dt else (a.astype(dt) if isinstance(a, (np.ndarray, jax.Array)) else jnp.asarray(a, dt))
 
 
 FUSED_ATTENTION = "cudnn"
@@ -85,6 +104,9 @@ class LayerConfig:
         cuDNN's fused flash attention through ``jax.nn.dot_product_attention``, for float16 or
         bfloat16 systems on an NVIDIA GPU
         (:func:`~powerlens.dynamics.attention.check_fused_attention` says what else it needs).
+      compute_dtype: the dtype a step computes in (``"float32"``, ...), each layer's weights
+        cast to it inside the scan step; ``None`` = the weights' own dtype.
+      precision: matmul precision of a step (:data:`PRECISIONS`; default ``"highest"``).
     """
 
     d_model: int
@@ -103,6 +125,8 @@ class LayerConfig:
     attn_softcap: Optional[float] = None
     parallel_residual: bool = False
     attention_block: Optional[Union[int, str]] = None
+    compute_dtype: Optional[str] = None
+    precision: str = "highest"
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -139,6 +163,15 @@ class LayerConfig:
         if self.ffn_activation is not None and self.ffn_activation not in FFN_ACTIVATIONS:
             raise ValueError(
                 f"LayerConfig.ffn_activation must be one of {FFN_ACTIVATIONS}, got {self.ffn_activation!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"LayerConfig.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compute_dtype is not None:
+            name = getattr(jnp.dtype(self.compute_dtype), "name", None) if isinstance(
+                self.compute_dtype, (str, np.dtype, type)) else None
+            if name not in ("float64", "float32", "float16", "bfloat16"):
+                raise ValueError(f"LayerConfig.compute_dtype must be a float dtype name (float32, float64, "
+                                 f"bfloat16, float16) or None, got {self.compute_dtype!r}")
+            object.__setattr__(self, "compute_dtype", name)
         block = self.attention_block
         size = isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)) and block >= 0
         if not (block is None or size or (isinstance(block, str) and block == FUSED_ATTENTION)):
@@ -190,6 +223,17 @@ class Layers:
     @property
     def n_unique(self) -> int:
         return int(self.W_v.shape[0])
+
+    @property
+    def dtype(self):
+        """The dtype the layers compute in: ``config.compute_dtype``, else the dtype of W_v."""
+        cd = self.config.compute_dtype if self.config is not None else None
+        return jnp.dtype(cd) if cd is not None else self.W_v.dtype
+
+    @property
+    def storage_dtype(self):
+        """The dtype the weights are held in (that of W_v)."""
+        return self.W_v.dtype
 
     @property
     def schedule(self) -> Schedule:
@@ -251,10 +295,52 @@ Layer = Layers
 so W_q "float[H e d]", W_o "float[d H*e]", scale "float[]", and so on (module docstring)."""
 
 
+MODEL_SPLIT = {
+    "W_q": (1, "n_heads"), "b_q": (1, "n_heads"), "W_o": (2, "n_heads"),
+    "W_k": (1, "n_kv_heads"), "b_k": (1, "n_kv_heads"), "W_v": (1, "n_kv_heads"), "b_v": (1, "n_kv_heads"),
+    "W_in": (1, "ffn"), "b_in": (1, "ffn"), "W_gate": (1, "ffn"), "W_out": (2, "ffn"),
+    **{name: None for name in (
+        "scale", "window", "b_o", "norm_scale", "norm_bias", "ffn_norm_scale", "ffn_norm_bias", "b_out",
+        "q_norm_scale", "k_norm_scale", "q_norm_bias", "k_norm_bias", "post_attn_norm_scale",
+        "post_ffn_norm_scale", "rope_base")},
+}
+"""How each field of :class:`Layers` is placed on a mesh's ``model`` axis, Megatron-style
+(:func:`powerlens.models.shard.shard`): ``(axis, count)``, the axis of the stacked array that is
+split and what it counts: ``n_heads`` (W_q "float[U H e d]", b_q, and W_o "float[U d H*e]" in
+whole heads), ``n_kv_heads`` (W_k, W_v, b_k, b_v), ``ffn`` (the FFN width f: W_in, b_in, W_gate
+"float[U f d]", W_out "float[U d f]"); None: replicated (norms, the width-d biases, scales,
+windows, RoPE bases). A field whose count does not divide by the ``model`` axis's size is
+replicated (e.g. 2 KV heads over 8 devices, while the 8 query heads are split). The leading
+layer axis U is never split: a scan step reads one whole layer."""
+
+
+def cast_layer(lp: Layers, dtype) -> Layers:
+    """``lp`` with every floating array cast to ``dtype`` (integer arrays, e.g. ``window``, and
+    arrays already of ``dtype`` as they are): one layer upcast inside a scan step."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype else a, lp)
+
+
+def all_finite(a) -> bool:
+    """Whether every value of ``a`` is finite, checked one leading slice at a time (float16 and
+    bfloat16 in float32), so no boolean or widened copy of the whole array is made."""
+    h = np.asarray(a)
+    wide_ = h.dtype.itemsize < 4
+    parts = h.reshape((h.shape[0] if h.ndim else 1, -1))
+    return all(bool(np.isfinite(p.astype(np.float32) if wide_ else p).all()) for p in parts)
+
+
 def check_steps(steps) -> int:
     if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps <= 0:
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     return int(steps)
+
+
+def _computed(layers: Layers, a):
+    """``a`` (a weight of ``layers``) in the layers' compute dtype: itself when it is stored in it."""
+    dt = layers.dtype
+    return a if a.dtype == dt else a.astype(dt)
 
 
 def value_matrix(layers: Layers) -> jax.Array:
@@ -265,14 +351,14 @@ def value_matrix(layers: Layers) -> jax.Array:
     ``g*group, ..., g*group + group - 1`` (Hugging Face ``repeat_kv`` order).
     """
     cfg = layers.config
-    W_v = jnp.repeat(layers.W_v, cfg.kv_group, axis=-3)  # (U, H, e, d)
+    W_v = jnp.repeat(_computed(layers, layers.W_v), cfg.kv_group, axis=-3)  # (U, H, e, d)
     H, e, d = W_v.shape[-3:]
     return W_v.reshape(W_v.shape[:-3] + (H * e, d))
 
 
 def layer_matrices(layers: Layers) -> jax.Array:
-    """F_t = W_o @ V_cat for every unique layer: "float[U d d]"."""
-    return jnp.einsum("udk,ukc->udc", layers.W_o, value_matrix(layers))
+    """F_t = W_o @ V_cat for every unique layer: "float[U d d]", in the layers' compute dtype."""
+    return jnp.einsum("udk,ukc->udc", _computed(layers, layers.W_o), value_matrix(layers))
 
 
 def layer_factors(layers: Layers):
@@ -284,8 +370,9 @@ def layer_factors(layers: Layers):
     cfg = layers.config
     G, e = cfg.n_kv_heads, cfg.d_head
     lead = layers.W_o.shape[:-1]                                       # (U, d) or (d,)
-    A = layers.W_o.reshape(lead + (G, cfg.kv_group, e)).sum(axis=-2).reshape(lead + (G * e,))
-    return A, layers.W_v.reshape(layers.W_v.shape[:-3] + (G * e, layers.W_v.shape[-1]))
+    W_o, W_v = _computed(layers, layers.W_o), _computed(layers, layers.W_v)
+    A = W_o.reshape(lead + (G, cfg.kv_group, e)).sum(axis=-2).reshape(lead + (G * e,))
+    return A, W_v.reshape(W_v.shape[:-3] + (G * e, W_v.shape[-1]))
 
 
 def constant_term(layers: Layers) -> jax.Array:
@@ -383,9 +470,10 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
     if (e, d) != (cfg.d_head, cfg.d_model):
         raise ValueError(f"W_v has d_head={e}, d={d} but the config says d_head={cfg.d_head}, d={cfg.d_model}")
     fields = dict(arrays, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o)
+    sdt = wide(W_v.dtype) if jnp.issubdtype(W_v.dtype, jnp.floating) else W_v.dtype   # never below float32
     if scale is None:
-        scale = jnp.full((U,), 1.0 / np.sqrt(e), W_v.dtype)
-    scale = jnp.broadcast_to(jnp.asarray(real_array("scale", scale), W_v.dtype), (U,))
+        scale = jnp.full((U,), 1.0 / np.sqrt(e), sdt)
+    scale = jnp.broadcast_to(jnp.asarray(real_array("scale", scale), sdt), (U,))
     window = check_window(window, U)
     for name, a in list(fields.items()):
         if a is None:
@@ -394,7 +482,7 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
         fields[name] = a
         if name in expect and tuple(a.shape) != expect[name]:
             raise ValueError(f"{name} has shape {tuple(a.shape)}, expected {expect[name]}")
-        if jnp.issubdtype(a.dtype, jnp.floating) and not np.all(np.isfinite(np.asarray(a))):
+        if jnp.issubdtype(a.dtype, jnp.floating) and not all_finite(a):
             raise ValueError(f"{name} contains non-finite values (NaN or inf)")
     if not np.all(np.isfinite(np.asarray(scale))):
         raise ValueError("scale contains non-finite values")

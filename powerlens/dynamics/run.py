@@ -24,6 +24,12 @@ given (a zero embedding row, say) or would become (a zero row under N2, a query 
 to attend to), it stays finite, so no NaN can leak through a mask into the valid tokens
 (A_ij = 0 times NaN is NaN); valid tokens never read a padding key, so their states are the
 same as without it.
+
+Dtypes: the weights keep their stored dtype; each step casts its layer's weights to
+``layers.dtype`` (``config.compute_dtype``, :func:`~powerlens.dynamics.params.cast_layer`),
+so at most one layer is upcast at a time, and the tokens are held in that dtype. Every
+matmul of the scan runs at ``config.precision`` (default ``"highest"``: full float32 on a
+GPU too, never TF32).
 """
 from __future__ import annotations
 
@@ -35,18 +41,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import execution
-from .attention import check_attention
 from .inputs import check_batch, check_mask, check_schedule, check_tokens, concrete
-from .layer import check_rule, layer_step
+from .layer import layer_step
 from .observers import READY, Observer, Step, states
-from .params import Layers, real_array
+from .options import Dynamics, as_dynamics
+from .params import Layers, cast_layer, real_array
 from .projections import Projections, build_projections, prepared_projections
 
 
-def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str, attention: str,
-        observers: Mapping[str, Observer], keep_bias: Optional[bool] = None,
-        positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
-        projections: Optional[Projections] = None, measure_after: bool = False) -> Dict[str, Any]:
+def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, observers: Mapping[str, Observer],
+        dynamics: Optional[Dynamics] = None, positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
+        projections: Optional[Projections] = None, measure_after: bool = False,
+        rule: Optional[str] = None, attention: Optional[str] = None,
+        keep_bias: Optional[bool] = None) -> Dict[str, Any]:
     """Iterate ``layers`` from x0 and return ``{name: result}`` of every observer.
 
     Args:
@@ -54,9 +61,12 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
       x0: the initial tokens "float[n d]".
       valid: "bool[n]", False for padding tokens (masked out of attention keys and of
         every measure); ``None`` = all valid.
-      rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
       observers: name -> :class:`~powerlens.dynamics.observers.Observer`, e.g.
         ``{"final": final(), "gamma": alignment(subspaces)}``.
+      dynamics: the rule, attention mode and bias of every step, a
+        :class:`~powerlens.dynamics.options.Dynamics` (default ``Dynamics()``: the paper's
+        rule, softmax attention; ``faithful`` is resolved against ``layers.config``).
+      rule, attention, keep_bias: deprecated, ``dynamics``' fields as loose keywords.
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
       projections: the (in, out) copies of every unique layer's attention weights
@@ -82,10 +92,21 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
     schedule index outside [0, U) and a valid token that is non-finite or zero
     (:mod:`powerlens.dynamics.inputs`).
     """
-    check_rule(rule)
-    check_attention(attention)
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="run").resolved(layers.config)
+    with jax.default_matmul_precision(layers.config.precision):
+        return _run(layers, x0, valid, rule=dyn.rule, attention=dyn.attention, observers=observers,
+                    keep_bias=dyn.keep_bias,
+                    positions=positions, schedule=schedule, projections=projections, measure_after=measure_after)
+
+
+def _run(layers, x0, valid, *, rule, attention, observers, keep_bias, positions, schedule, projections,
+         measure_after):
+    """:func:`run`'s body, traced under the layers' matmul precision."""
     x0, valid, schedule = _checked(layers, x0, valid, schedule)
-    x0 = jnp.asarray(x0, layers.W_v.dtype)          # the system's precision (NumPy float64 tokens too)
+    dtype = layers.dtype
+    upcast = dtype != layers.storage_dtype
+    cast = (lambda lp: cast_layer(lp, dtype)) if upcast else (lambda lp: lp)
+    x0 = jnp.asarray(x0, dtype)          # the system's precision (NumPy float64 tokens too)
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
         inert = lambda X: X                          # no padding
@@ -99,16 +120,23 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         xs = jnp.asarray(static if schedule is None else schedule, jnp.int32)
         length, layer_of = xs.shape[0], lambda t, u: u
     shared = layers.n_unique == 1          # hoist the one layer's parameters out of the scan
-    lp0 = layers.layer(0) if shared else None
+    lp0 = cast(layers.layer(0)) if shared else None
     proj0 = None
     if shared:    # the one layer's (in, out) copies: given, or built once here (traced weights too)
         proj0 = projections.layer(0) if projections is not None else build_projections(lp0, attention)
     observers = dict(observers)
 
+    # Weights cast per step travel in the scan's carry behind an optimization barrier: XLA's CPU
+    # compiler otherwise hoists the cast of the loop-invariant stack out of the loop, a float32
+    # copy of every layer at once, instead of the one layer each step reads
+    carried = upcast and not shared
+
     def step(carry, u):
-        X, obs_states, t = carry
+        X, obs_states, t, held = carry
+        if carried:
+            X, held = jax.lax.optimization_barrier((X, held))
         u = layer_of(t, u)
-        lp = lp0 if shared else layers.layer(u)
+        lp = lp0 if shared else cast((held if carried else layers).layer(u))   # this layer alone, computed in dtype
         proj = proj0 if shared else (None if projections is None else projections.layer(u))
         Y = inert(layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
                              positions=positions, projections=proj))
@@ -116,13 +144,14 @@ def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, rule: str,
         new, outs = {}, {}
         for name, ob in observers.items():
             new[name], outs[name] = ob.update(obs_states[name], X, Y, info)
-        return (Y, new, t + 1), outs
+        return (Y, new, t + 1, held), outs
 
     after = measure_after and all(ob.of_states is not None for ob in observers.values())
     if after:                                    # the scan keeps the states; measured below
         measured, observers = observers, {"states": states()}
     init = {name: ob.init(x0, valid, layers) for name, ob in observers.items()}
-    (_, last, _), outs = jax.lax.scan(step, (x0, init, jnp.zeros((), jnp.int32)), xs, length=length)
+    (_, last, _, _), outs = jax.lax.scan(step, (x0, init, jnp.zeros((), jnp.int32), layers if carried else None),
+                                         xs, length=length)
     out = {name: ob.finish(last[name], outs[name]) for name, ob in observers.items()}
     if not after:
         return out
@@ -159,7 +188,7 @@ def _checked(layers: Layers, x0, valid, schedule):
             schedule = check_schedule(s, layers.n_unique)
     xc = concrete(x0)
     if xc is not None and (valid is None or v is not None):
-        check_tokens(xc, d, valid=v, dtype=layers.W_v.dtype)
+        check_tokens(xc, d, valid=v, dtype=layers.dtype)
     return x0, valid, schedule
 
 
@@ -169,7 +198,7 @@ def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | N
     layers' dtype, fit in :attr:`~powerlens.dynamics.execution.Tuning.measure_after_bytes`."""
     T = len(layers.schedule) if schedule is None else np.shape(schedule)[0]
     B, n, d = np.shape(X0)
-    return B * (T + 1) * n * d * np.dtype(layers.W_v.dtype).itemsize <= execution.TUNING.measure_after_bytes
+    return B * (T + 1) * n * d * np.dtype(layers.dtype).itemsize <= execution.TUNING.measure_after_bytes
 
 
 def platform_of(array) -> str:
@@ -242,7 +271,7 @@ def map_prompts(one: Callable, X0: "float[B n d]", valid: "bool[B n]", chunk: Op
                                              "measure_after", "chunk"))
 def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule, attention, keep_bias, observe,
                steps_first=False, measure_after=False, chunk=None):
-    one = lambda x, v: run(layers, x, v, rule=rule, attention=attention, keep_bias=keep_bias,
+    one = lambda x, v: run(layers, x, v, dynamics=Dynamics(rule, attention, keep_bias),
                            positions=positions, schedule=schedule, projections=projections, measure_after=measure_after,
                            observers={name: READY[name]() for name in observe})
     # the scan stacks each prompt's states step-major: with the prompt axis put second,
@@ -254,13 +283,15 @@ def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule
 BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
 
 
-def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *, rule: str = "paper",
-              attention: str = "softmax", observe: Sequence[str] = ("final",), keep_bias: Optional[bool] = None,
+def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *,
+              dynamics: Optional[Dynamics] = None, observe: Sequence[str] = ("final",),
               positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
-              steps_first: bool = False) -> Dict[str, Any]:
+              steps_first: bool = False, rule: Optional[str] = None, attention: Optional[str] = None,
+              keep_bias: Optional[bool] = None) -> Dict[str, Any]:
     """:func:`run` over a batch of prompts (validated, jit-compiled, vmapped; on a CPU, short
     prompts in chunks of :func:`prompt_chunk` prompts), with the ready observers that need no
-    arrays, by name: ``consensus``, ``states``, ``finite``, ``final``.
+    arrays, by name: ``consensus``, ``states``, ``finite``, ``final``. ``dynamics``: as for
+    :func:`run` (default ``Dynamics()``); ``rule``, ``attention``, ``keep_bias``: deprecated.
 
     Returns ``{name: result}`` with a leading prompt axis B, e.g. ``"final"``:
     "float[B n d]", ``"states"``: "float[B T+1 n d]" ("float[T+1 B n d]" with ``steps_first``,
@@ -270,19 +301,22 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     :func:`~powerlens.dynamics.inputs.check_schedule` for a ``schedule`` array): one-line
     ValueErrors, never a cast or a clamp.
     """
-    check_rule(rule)
-    check_attention(attention)
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="run_batch").resolved(layers.config)
     bad = [o for o in observe if o not in BATCH_OBSERVERS]
     if bad:
         raise ValueError(f"unknown observer(s) {bad} for run_batch; expected some of {BATCH_OBSERVERS}")
-    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.W_v.dtype)
+    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.dtype)
     if schedule is not None:
         schedule = check_schedule(schedule, layers.n_unique)
+    # weights held in another dtype than the compute dtype are cast a layer at a time inside the
+    # scan: no (in, out) copies of every layer (they would be a second copy of the attention weights)
+    same = layers.dtype == layers.storage_dtype
     # states and final alone: nothing to measure after
     after = any(o in ("consensus", "finite") for o in observe) and measure_after_pays(layers, X0, schedule)
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
-    return _run_batch(layers, np.asarray(X0, layers.W_v.dtype), valid, positions, schedule,
-                      prepared_projections(layers, attention), rule=rule, attention=attention, keep_bias=keep_bias,
+    return _run_batch(layers, np.asarray(X0, layers.dtype), valid, positions, schedule,
+                      prepared_projections(layers, dyn.attention) if same else None, rule=dyn.rule,
+                      attention=dyn.attention, keep_bias=dyn.keep_bias,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after,
                       chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))

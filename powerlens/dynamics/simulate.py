@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from . import struct
 
-from .attention import check_attention
 from .inputs import check_batch, check_schedule, check_tokens  # noqa: F401  (check_tokens: public here too)
-from .layer import check_rule
 from .observers import rotation_planes, run_observers
+from .options import Dynamics, as_dynamics
 from .projections import prepared_projections
 from .run import map_prompts, measure_after_pays, platform_of, prompt_chunk, run
 from .subspaces import REFERENCES, Subspaces, reference_index
@@ -65,9 +64,9 @@ class Trajectory:
 
 
 def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] | None" = None,
-             rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
-             save_states: bool = False, schedule: "int[T] | None" = None,
+             dynamics: Optional[Dynamics] = None, save_states: bool = False, schedule: "int[T] | None" = None,
              positions: "int[n] | None" = None, projections=None, measure_after: bool = False,
+             rule: Optional[str] = None, attention: Optional[str] = None, keep_bias: Optional[bool] = None,
              planes: "bool[U] | None" = None) -> Trajectory:
     """Iterate ``layers`` over its schedule from x0 and measure. Pure; jit/vmap it.
 
@@ -78,7 +77,8 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
       subspaces: reference subspaces, basis "float[U m d k]", dim "int[U m]".
       valid: "bool[n]", False for padding tokens (excluded from attention keys and
         from every measure).
-      rule, attention, keep_bias: see :func:`powerlens.dynamics.layer.layer_step`.
+      dynamics: the rule, attention mode and bias, a :class:`~powerlens.dynamics.options.Dynamics`
+        (default ``Dynamics()``, the paper's rule); ``rule``, ``attention``, ``keep_bias``: deprecated.
       save_states: also return all states "float[T+1 n d]".
       projections: the (in, out) weight copies of ``layers``, when prepared (see :func:`~powerlens.dynamics.run`).
       measure_after: measure all states after the scan (same numbers; see :func:`~powerlens.dynamics.run`).
@@ -87,7 +87,8 @@ def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] 
     """
     if valid is None:
         valid = jnp.ones(x0.shape[:1], bool)
-    out = run(layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="simulate")
+    out = run(layers, x0, valid, dynamics=dyn,
               observers=run_observers(subspaces, planes=planes, save_states=save_states),
               positions=positions, schedule=schedule, projections=projections, measure_after=measure_after)
     return trajectory(out, valid, subspaces.names)
@@ -104,27 +105,29 @@ def trajectory(out: dict, valid: "bool[... n]", references: Tuple[str, ...]) -> 
                       finite=out["finite"], references=references)
 
 
-_STATIC = ("rule", "attention", "keep_bias", "save_states", "measure_after")
+_STATIC = ("dynamics", "rule", "attention", "keep_bias", "save_states", "measure_after")
 simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
 def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, chunk=None,
-                    **kw):
+                    *, rule, attention, keep_bias, **kw):
+    dyn = Dynamics(rule, attention, keep_bias)
     f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule,
-                              projections=projections, planes=planes, **kw)
+                              projections=projections, planes=planes, dynamics=dyn, **kw)
     return map_prompts(f, X0, valid, chunk)
 
 
-simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC + ("chunk",))
+simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC[1:] + ("chunk",))
 
 
 def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "bool[B n] | None" = None,
-                   rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
-                   save_states: bool = False, schedule: "int[T] | None" = None,
-                   positions: "int[n] | None" = None, check_finite: bool = True) -> Trajectory:
+                   dynamics: Optional[Dynamics] = None, save_states: bool = False,
+                   schedule: "int[T] | None" = None, positions: "int[n] | None" = None, check_finite: bool = True,
+                   rule: Optional[str] = None, attention: Optional[str] = None,
+                   keep_bias: Optional[bool] = None) -> Trajectory:
     """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]"
     (on a CPU, short prompts in chunks: :func:`~powerlens.dynamics.run.prompt_chunk`): every
-    field of the :class:`Trajectory` gets a leading axis B.
+    field of the :class:`Trajectory` gets a leading axis B. ``dynamics``: as for :func:`simulate`.
 
     Validates the inputs (:func:`~powerlens.dynamics.inputs.check_batch`,
     :func:`~powerlens.dynamics.inputs.check_schedule`: one-line ValueErrors, never a cast or a
@@ -137,18 +140,20 @@ def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "
     returns the Trajectory as it is: its ``finite`` flags mark the bad states, and every
     measure of one is NaN.
     """
-    check_rule(rule)
-    check_attention(attention)
-    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.W_v.dtype)
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="simulate_batch").resolved(layers.config)
+    X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.dtype)
     if schedule is not None:
         schedule = check_schedule(schedule, layers.n_unique)
+    # weights held in another dtype than the compute dtype (bf16) are cast a layer at a time in
+    # the scan: no (in, out) copies of every layer's attention weights
+    proj = prepared_projections(layers, dyn.attention) if layers.dtype == layers.storage_dtype else None
     traj = simulate_batch_jit(layers, X0, subspaces, valid, positions,
-                              schedule, prepared_projections(layers, attention), rotation_planes(subspaces, layers),
-                              rule=rule, attention=attention, keep_bias=keep_bias, save_states=save_states,
+                              schedule, proj, rotation_planes(subspaces, layers),
+                              rule=dyn.rule, attention=dyn.attention, keep_bias=dyn.keep_bias, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule),
                               chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))
     if check_finite:
-        check_trajectory(traj, X0, valid, rule=rule)
+        check_trajectory(traj, X0, valid, rule=dyn.rule)
     return traj
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .execution import map_systems
+from .options import Dynamics, as_dynamics
 from .params import Layers
 from .simulate import Trajectory, simulate
 from .subspaces import Subspaces
@@ -44,17 +45,20 @@ def _stack(*trees):
 
 
 @functools.lru_cache(maxsize=32)
-def _one(rule, attention, keep_bias, save_states):
+def _one(dynamics: Dynamics, save_states):
     """simulate for one system (layers, x0, subspaces, valid), the settings fixed (one function
     object per setting: it keys :func:`~powerlens.dynamics.execution.map_systems`'s program cache)."""
-    return lambda lay, x, sub, v: simulate(lay, x, sub, valid=v, rule=rule, attention=attention,
-                                           keep_bias=keep_bias, save_states=save_states)
+    return lambda lay, x, sub, v: simulate(lay, x, sub, valid=v, dynamics=dynamics, save_states=save_states)
 
 
-def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, rule: str = "paper",
-                   attention: str = "softmax", keep_bias: Optional[bool] = None,
-                   save_states: bool = False, shard: bool = True) -> Trajectory:
+def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, dynamics: Optional[Dynamics] = None,
+                   save_states: bool = False, shard: bool = True, rule: Optional[str] = None,
+                   attention: Optional[str] = None, keep_bias: Optional[bool] = None) -> Trajectory:
     """Simulate S systems, one prompt X0[s] "float[n d]" each, in one compiled call.
+
+    ``dynamics``: the rule, attention mode and bias of every system, a
+    :class:`~powerlens.dynamics.options.Dynamics` (default ``Dynamics()``, the paper's rule);
+    ``rule``, ``attention``, ``keep_bias``: deprecated.
 
     The systems are split evenly over the devices with ``shard_map`` (with ``shard``; GPUs,
     TPU cores, or CPU cores exposed as host devices with
@@ -65,10 +69,11 @@ def simulate_sweep(stacked: Layers, X0, subspaces: Subspaces, *, valid=None, rul
     last system (to whole micro-batches: a system's numbers do not depend on S); the padding
     is dropped from the returned :class:`Trajectory` (leading axis S).
     """
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="simulate_sweep").resolved(stacked.config)
     X0 = jnp.asarray(X0, stacked.W_v.dtype)
     if X0.ndim != 3:
         raise ValueError(f"X0 must have shape (S, n, d), got {X0.shape}")
     if valid is None:
         valid = jnp.ones(X0.shape[:2], bool)
-    return map_systems(_one(rule, attention, keep_bias, save_states), (stacked, X0, subspaces, jnp.asarray(valid)),
+    return map_systems(_one(dyn, save_states), (stacked, X0, subspaces, jnp.asarray(valid)),
                        devices=jax.device_count() if shard else 1, micro="auto")

@@ -37,6 +37,31 @@ from .schedule import Schedule
 
 KINDS = ("symmetric", "normal", "nonnormal")
 INITS = ("sphere", "cone", "bipartite")
+NORMAL_MAX = {np.dtype(np.float32): 5.4199834, np.dtype(np.float64): 8.2923611}
+"""The largest |draw| of ``jax.random.normal`` in each dtype, rounded up: sqrt(2) erfinv(u) at
+its most extreme uniform u = nextafter(-1, 0) = -(1 - 2^-24) in float32, -(1 - 2^-53) in float64."""
+
+
+def nonnormality_limit(d: int, scale: float, dtype) -> float:
+    """The largest nonnormality s for which the nonnormal builder's S = I + s G / sqrt(d) and
+    S D are finite in ``dtype`` for every draw G of ``jax.random.normal``: |G_ij| <= z_max
+    (:data:`NORMAL_MAX`), so |S_ij| <= 1 + s z_max / sqrt(d), and a column of D holds at most
+    an eigenvalue's real part and its |imaginary part|, so |(S D)_ij| <= max|S| ``scale`` with
+    ``scale`` the largest |Re lambda| + |Im lambda| of the spectrum. Both below the largest
+    float: s <= (fmax / max(scale, 1) - 1) sqrt(d) / z_max. (The basis of S's columns is
+    normalised scaled, :func:`~powerlens.dynamics.linalg.gram_schmidt`, so it adds no bound;
+    an elimination that still overflows makes F, and so the run, non-finite.)"""
+    dt = np.dtype(dtype)
+    fmax = float(np.finfo(dt).max)
+    return (fmax / max(float(scale), 1.0) - 1.0) * float(np.sqrt(d)) / NORMAL_MAX[dt]
+
+
+def noise_limit(d: int, dtype) -> float:
+    """The largest ``noise`` of a bipartite start (+-v + noise G, v unit, each row then
+    normalised) whose squared row norms stay finite in ``dtype`` for every normal draw G:
+    |entry| <= 1 + noise z_max, so the row's sum of squares is at most d (1 + noise z_max)^2 <= fmax."""
+    dt = np.dtype(dtype)
+    return (float(np.sqrt(float(np.finfo(dt).max) / d)) - 1.0) / NORMAL_MAX[dt]
 
 
 def parse_spectrum(text: str) -> List[complex]:
@@ -280,6 +305,13 @@ def _basis(E, cols, keep, orthogonal: bool):
     return A * keep if orthogonal else gram_schmidt(A, keep)
 
 
+def _degenerate(basis, keep):
+    """"bool[]": a basis "float[d k]" with a non-finite entry or a kept column that is zero
+    (its columns overflowed, or were dependent): no subspace to measure against."""
+    alive = jnp.max(jnp.abs(basis), axis=0) > 0
+    return ~jnp.all(jnp.isfinite(basis)) | jnp.any(keep & ~alive)
+
+
 def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     """One synthetic system from its seed "int[]" and grid values alone. Pure ``jnp``: jit and
     vmap it (the sweep engine vmaps it over a chunk's systems; :func:`powerlens.sweeps.api.sweep_system`
@@ -357,6 +389,10 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     else:
         P, pdim = _basis(E, porder[:k1], jnp.arange(k1) < dim_plain, orth), dim_plain
     rand = gram_schmidt(z["random"], jnp.arange(k1) < pdim)
+    if cfg.spectrum != "given":             # a degenerate basis: the run is made non-finite (W_o NaN),
+        bad = (_degenerate(B, jnp.arange(k1) < dim1) | _degenerate(P, jnp.arange(k1) < pdim)   # so a
+               | _degenerate(top2, jnp.arange(k2) < dim1 + dim2))     # sweep row reads finite False, measures null
+        layers = layers.replace(W_o=jnp.where(bad, jnp.nan, layers.W_o))
     x0, exact = _tokens(z, u, values, cfg, B[:, 0])
     facts = {"eigenvalues": jnp.stack([re, im], axis=1), "shifted": order, "plain": porder, "lam": lam,
              "lam_plain": lam_plain, "dim": dim1.astype(jnp.int32), "dim_plain": dim_plain.astype(jnp.int32),
@@ -425,6 +461,12 @@ def synthetic_inputs(eigenvalues=None, *, kind: str = "symmetric", heads: int = 
         eigs = [complex(z) for z in eigenvalues]
         d = check_spectrum(eigs, kind, d)
         spectrum, values["eigenvalues"] = "eigenvalues", spectrum_slots(eigs, d).astype(dt)
+        if kind == "nonnormal":
+            limit = nonnormality_limit(d, max(abs(z.real) + abs(z.imag) for z in eigs), dt)
+            if not abs(nonnormality) <= limit:
+                raise ValueError(f"nonnormality {nonnormality:g} overflows {dt.name}: S = I + s G / sqrt(d) and S D "
+                                 f"stay finite for s <= {limit:.4g} (d={d}); use a smaller value"
+                                 + (" or dtype=np.float64" if dt == np.float32 else ""))
     cfg = SyntheticConfig(d=int(d), tokens=int(tokens), heads=int(heads), kind=kind, spectrum=spectrum,
                           x64=_PRECISIONS[dt], d_head=None if d_head is None else int(d_head))
     return np.int32(seed), values, cfg
@@ -462,8 +504,14 @@ def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, be
     with jax.enable_x64(cfg.x64):
         layers, out = jax.device_get(build(seed, values, cfg))
     if not (np.all(np.isfinite(layers.W_o)) and np.all(np.isfinite(out["F"]))):
-        raise ValueError(f"synthetic system (kind {kind!r}, d={cfg.d}, heads={cfg.heads}, seed={int(seed)}) "
-                         f"is singular: its S or V_cat has no inverse")
+        k1 = out["principal"].shape[1]
+        basis = cfg.spectrum != "given" and np.all(np.isfinite(out["F"])) and bool(
+            _degenerate(out["direction"], np.arange(k1) < out["dim"])
+            | _degenerate(out["principal"], np.arange(k1) < out["principal_dim"])
+            | ~np.isfinite(out["top2"]).all())
+        why = ("has a degenerate eigenbasis (a non-finite or zero column)" if basis
+               else "is singular: its S or V_cat has no inverse")
+        raise ValueError(f"synthetic system (kind {kind!r}, d={cfg.d}, heads={cfg.heads}, seed={int(seed)}) {why}")
     layers = jax.tree_util.tree_map(jnp.asarray, layers)        # in the caller's precision, as make_layers
     layers = layers.replace(config=dataclasses.replace(layers.config, schedule=sched))
     return (layers, out) if facts else layers

@@ -42,7 +42,7 @@ ALBERT_ONLY = dict(ENCODER_ONLY, down_scale_factor=(1,), gap_size=(0,), net_stru
 
 # the longest schedule an ALBERT config may declare (real ones have 12-24 steps); a longer run
 # of the shared layers is ``simulate``'s business, not a checkpoint's
-MAX_STEPS = 1 << 16
+ALBERT_MAX_SCHEDULE = 1 << 16
 
 _P = "encoder.albert_layer_groups.{g}.albert_layers.{j}."
 ALBERT_NAMES = {
@@ -67,9 +67,9 @@ ALBERT_NAMES = {
 
 def check_albert_layers(L: int, G: int, I: int, names, src: str) -> None:
     """The schedule length L*I is bounded, and G groups of I inner layers are what the file holds."""
-    if L * I > MAX_STEPS:
+    if L * I > ALBERT_MAX_SCHEDULE:
         raise CheckpointError(f"{src}: num_hidden_layers={L} x inner_group_num={I} = {L * I} steps exceeds the "
-                              f"{MAX_STEPS} steps an ALBERT schedule may have")
+                              f"{ALBERT_MAX_SCHEDULE} steps an ALBERT schedule may have")
     if G > L:
         raise CheckpointError(f"{src}: num_hidden_groups={G} exceeds num_hidden_layers={L}")
     check_layer_count(G, "num_hidden_groups", names, "encoder.albert_layer_groups.", src)

@@ -41,6 +41,9 @@ class ModelInfo:
     None = 1.
     final_logit_softcap: logits z become c tanh(z / c) (Gemma 2's ``final_logit_softcapping``);
     None = off.
+    parts: what ``load(..., parts=)`` read: ``all``, ``attention`` (no FFN, no LM head) or
+    ``spectrum`` (W_v and W_o alone). unread_head: the name, in ``source``, of the untied LM
+    head such a load left unread (token directions read its rows from there); None otherwise.
     """
 
     family: str
@@ -57,6 +60,8 @@ class ModelInfo:
     inner_group_num: int = 1          # ALBERT: unique layer u belongs to group u // inner_group_num
     embed_scale: Optional[float] = None
     final_logit_softcap: Optional[float] = None
+    parts: str = "all"                # what the load read (powerlens.models.convert.PARTS)
+    unread_head: Optional[str] = None  # the checkpoint tensor of an untied LM head left unread
 
 
 @struct.dataclass

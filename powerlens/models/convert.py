@@ -16,9 +16,17 @@ on the family:
   the tensors actually in the file, before anything per layer is built.
 * :class:`Stack`: per-layer tensors read into stacked (L, ...) arrays, each held once.
 * :func:`to_device`, :func:`read_tensors`, :func:`lm_head`, :func:`tokenizer_folder`.
+
+What a load reads (``pl.load(..., parts=...)``, :data:`PARTS`): ``all``; ``attention``
+(no FFN, no LM head: the paper and faithful rules); ``spectrum`` (W_v and W_o alone: F_t).
+:func:`reading` sets it while a converter runs; :class:`Stack` never reads or allocates a
+skipped key, and :func:`read_tensors` / :func:`lm_head` skip what the parts leave out. A
+Stack refuses, before any tensor is read, stacked arrays that cannot fit in memory.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
 import warnings
@@ -27,7 +35,72 @@ from typing import Collection, Dict, Iterable, Mapping, Optional, Tuple
 import jax
 import numpy as np
 
-from .reader import CheckpointError, TensorReader, aligned_empty
+from .reader import CheckpointError, TensorReader, aligned_empty, check_allocation
+
+# ---------------------------------------------------------------------- what a load reads
+FFN_KEYS = frozenset({"W_in", "b_in", "W_gate", "W_out", "b_out", "ffn_norm_scale", "ffn_norm_bias",
+                      "post_ffn_norm_scale"})
+"""Stacked keys of the FFN sub-layer (rule ``full`` alone reads them)."""
+PARTS = ("all", "attention", "spectrum")
+_PARTS: contextvars.ContextVar = contextvars.ContextVar("powerlens_load_parts", default="all")
+_UNREAD: contextvars.ContextVar = contextvars.ContextVar("powerlens_load_unread", default=None)
+
+
+def check_parts(parts: str) -> str:
+    if parts not in PARTS:
+        raise ValueError(f"parts={parts!r} is not one of {PARTS} (all: every weight; attention: no FFN and no LM "
+                         f"head, for the paper and faithful rules; spectrum: W_v and W_o alone)")
+    return parts
+
+
+@contextlib.contextmanager
+def reading(parts: str):
+    """The converters called inside read only ``parts`` (:data:`PARTS`). Yields a dict that
+    :func:`left_out` fills: what the converters left unread (``"lm_head"``: the checkpoint name
+    of an untied LM head that was not read)."""
+    token = _PARTS.set(check_parts(parts))
+    unread: dict = {}
+    token2 = _UNREAD.set(unread)
+    try:
+        yield unread
+    finally:
+        _PARTS.reset(token)
+        _UNREAD.reset(token2)
+
+
+def left_out(what: str, tensor: str) -> None:
+    """Record that ``what`` (e.g. ``"lm_head"``), the checkpoint tensor ``tensor``, was not read."""
+    unread = _UNREAD.get()
+    if unread is not None:
+        unread[what] = tensor
+
+
+def current_parts() -> str:
+    return _PARTS.get()
+
+
+def wanted(key: str, parts: Optional[str] = None) -> bool:
+    """Whether a load of ``parts`` (default: the current one) reads the stacked array or
+    model tensor ``key`` (stacked keys, and ``word``, ``lm_head``, ``final_norm``, ``embeddings``)."""
+    parts = current_parts() if parts is None else parts
+    if parts == "all":
+        return True
+    if parts == "attention":
+        return key not in FFN_KEYS and key != "lm_head"
+    return key in ("W_v", "W_o")
+
+
+class _Sink:
+    """What a skipped key's slot is: writes vanish, reads are refused."""
+
+    def __setitem__(self, index, value):
+        pass
+
+    def __getitem__(self, index):
+        return self
+
+    def reshape(self, *shape):
+        return self
 
 # ---------------------------------------------------------------------- the allow-list
 # Attributes any Hugging Face config may carry (PretrainedConfig defaults of transformers
@@ -239,8 +312,9 @@ def to_device(a: np.ndarray) -> jax.Array:
 
 def read_tensors(reader: TensorReader, names: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]], dtype=None):
     """``{key: tensor names[key] of shape shapes[key]}`` as JAX arrays of ``dtype`` (default: the
-    reader's), one at a time."""
-    return {key: to_device(reader.get(name, shapes[key], dtype=dtype)) for key, name in names.items()}
+    reader's), one at a time; a key the current parts leave out (:func:`wanted`) is None, unread."""
+    return {key: to_device(reader.get(name, shapes[key], dtype=dtype)) if wanted(key) else None
+            for key, name in names.items()}
 
 
 class Stack:
@@ -256,34 +330,74 @@ class Stack:
     does the same for the rest and returns every key.
     """
 
-    def __init__(self, n_layers: int, dtype, shapes: Mapping[str, Tuple[int, ...]], source: str = "checkpoint"):
-        self.n_layers, self.dtype, self.source = n_layers, np.dtype(dtype), source
+    def __init__(self, n_layers: int, dtype, shapes: Mapping[str, Tuple[int, ...]], source: str = "checkpoint",
+                 *, extra: Optional[Mapping[str, int]] = None):
+        """``dtype``: the stacked arrays' dtype (None: float32 until :meth:`read` sees a stored
+        dtype, see :meth:`dtype_of`). Keys the current parts leave out (:func:`wanted`) are
+        never read or allocated. The bytes of the kept stacked arrays, plus ``extra`` (name ->
+        bytes: the embeddings, say), are checked against the memory available by
+        :meth:`check_memory`, before any tensor is read."""
+        self.n_layers, self.source = n_layers, source
+        self.dtype = None if dtype is None else np.dtype(dtype)
+        self.skip = frozenset(k for k in shapes if not wanted(k))
         self.shapes = {k: tuple(s) for k, s in shapes.items()}
         self.arrays: Dict[str, np.ndarray] = {}
         self.device: Dict[str, jax.Array] = {}
+        self.dtypes: Dict[str, np.dtype] = {}
+        self.extra = dict(extra or {})
+
+    def check_memory(self) -> int:
+        """Refuse (CheckpointError, one line) when the kept stacked arrays plus ``extra`` cannot fit
+        in the memory available now; called before any tensor is read. Returns the bytes."""
+        itemsize = 4 if self.dtype is None else self.dtype.itemsize
+        total = sum(int(self.n_layers) * int(np.prod(s, dtype=object)) * itemsize
+                    for k, s in self.shapes.items() if k not in self.skip)
+        total += sum(int(v) for v in self.extra.values())
+        check_allocation(total, f"{self.source}: the model's weights ({self.n_layers} layers"
+                                f"{''.join(', ' + k for k in self.extra)}; parts={current_parts()!r})")
+        return total
+
+    def wants(self, key: str) -> bool:
+        """Whether ``key`` is read (not left out by the parts of this load)."""
+        return key not in self.skip
+
+    def dtype_of(self, key: str) -> np.dtype:
+        """The dtype of stacked array ``key``: the Stack's, or (dtype None) the dtype the first
+        tensor read into it is stored in (float32 for a key filled by assignment)."""
+        return self.dtype if self.dtype is not None else self.dtypes.get(key, np.dtype(np.float32))
 
     def __getitem__(self, key) -> np.ndarray:
+        if key in self.skip:
+            return _Sink()
         if key in self.device:
             raise KeyError(f"stacked array {key!r} was already handed to JAX")
         if key not in self.arrays:
             shape = self.shapes[key]
-            self.arrays[key] = aligned_empty((self.n_layers,) + shape, self.dtype,
+            self.arrays[key] = aligned_empty((self.n_layers,) + shape, self.dtype_of(key),
                                              what=f"{self.source}: {key} ({self.n_layers} layers of shape {shape})")
         return self.arrays[key]
 
     def read(self, key: str, i: int, reader: TensorReader, name: str, stored: Optional[Tuple[int, ...]] = None):
         """Read tensor ``name`` of shape ``stored`` (default: the slot's shape) into slot ``i``
         of ``key`` in place; ``stored`` must have as many elements as the slot (a reshape).
-        The tensor's stored shape is checked before the stacked array is allocated."""
+        The tensor's stored shape is checked before the stacked array is allocated; a key the
+        parts leave out is not read."""
+        if key in self.skip:
+            return
         reader.check(name, stored or self.shapes[key])
+        if self.dtype is None and key not in self.dtypes and key not in self.arrays:
+            self.dtypes[key] = reader.stored_dtype(name) if reader.dtype is None else reader.dtype
         slot = self[key][i]
         reader.get(name, stored or slot.shape, out=slot.reshape(stored) if stored else slot)
 
     def done(self, key) -> None:
+        if key in self.skip:
+            return
         self.device[key] = to_device(self.arrays.pop(key))
 
     def finish(self) -> Dict[str, jax.Array]:
-        missing = [k for k in self.shapes if k not in self.arrays and k not in self.device]
+        """Every kept key as a JAX array (the skipped keys are absent)."""
+        missing = [k for k in self.shapes if k not in self.arrays and k not in self.device and k not in self.skip]
         if missing:
             raise ValueError(f"stacked arrays never filled: {missing}")
         for k in list(self.arrays):
@@ -299,6 +413,9 @@ def lm_head(config: Mapping, reader: TensorReader, shape: Tuple[int, int], defau
     """
     tied = config.get("tie_word_embeddings")
     if default_tied if tied is None else tied:
+        return None
+    if reader.has("lm_head.weight") and not wanted("lm_head"):
+        left_out("lm_head", "lm_head.weight")            # its rows are read when asked for (layout.py)
         return None
     if reader.has("lm_head.weight"):
         return to_device(reader.get("lm_head.weight", shape))

@@ -12,7 +12,6 @@ error (never silently truncated); an empty prompt is an error.
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional, Sequence, Tuple, Union
 
 import jax
@@ -21,97 +20,8 @@ import numpy as np
 
 from ..dynamics.norms import layer_norm
 from .base import Model
-from .reader import CheckpointError
-
-
-class FolderTokenizer:
-    """A Hugging Face folder's ``tokenizer.json``, run by ``tokenizers`` itself (no transformers).
-
-    The ids are those of transformers' ``AutoTokenizer`` on the same folder, which also starts
-    from ``tokenizer.json``; what it changes there is done here too:
-
-    * the truncation and padding stored in the file are switched off: a prompt is never cut
-      (one longer than the model's positions is an error in :func:`embed_ids`), and
-      :func:`pad_ids` right-pads with the model's own pad id;
-    * the special tokens are those the file's post-processor adds (``[CLS] $A [SEP]`` for
-      BERT, BOS for Llama): with a ``tokenizer.json``, transformers too ignores the
-      ``add_bos_token`` / ``add_eos_token`` of ``tokenizer_config.json``;
-    * ``decode`` keeps special tokens unless told otherwise, and applies the
-      ``clean_up_tokenization_spaces`` of ``tokenizer_config.json`` (never to BPE).
-
-    ``tok(text)["input_ids"]`` and ``tok.encode(text, add_special_tokens=True)`` give the ids
-    (a list of int); ``tok.decode(ids)``, ``tok.unk_token_id`` and ``tok.convert_tokens_to_ids``
-    as in transformers. :func:`folder_tokenizer` builds one, or says why it cannot.
-    """
-
-    def __init__(self, backend, *, unk_token_id: Optional[int] = None, clean_up_spaces: bool = False):
-        self.backend = backend
-        self.unk_token_id = unk_token_id
-        self.clean_up_spaces = clean_up_spaces and type(backend.model).__name__ != "BPE"
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        text = self.backend.decode([int(i) for i in np.atleast_1d(ids)], skip_special_tokens=skip_special_tokens)
-        if self.clean_up_spaces:
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-                text = text.replace(a, b)
-        return text
-
-    def convert_tokens_to_ids(self, tokens):
-        if isinstance(tokens, str):
-            i = self.backend.token_to_id(tokens)
-            return self.unk_token_id if i is None else i
-        return [self.convert_tokens_to_ids(t) for t in tokens]
-
-
-def _special_token(name: str, config: dict, special_map: dict) -> Optional[str]:
-    """The text of special token ``name`` (bos_token, ...) in tokenizer_config.json or
-    special_tokens_map.json (a string, or a dict with its ``content``)."""
-    value = config.get(name, special_map.get(name))
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _json_or_empty(path: str) -> dict:
-    import json
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as fh:
-        doc = json.load(fh)
-    return doc if isinstance(doc, dict) else {}
-
-
-def folder_tokenizer(folder: str) -> Optional[FolderTokenizer]:
-    """The :class:`FolderTokenizer` of ``folder``, or None when the folder needs transformers:
-    no ``tokenizer.json``, a file ``tokenizers`` cannot read, or added tokens in
-    ``tokenizer_config.json`` that the file lacks (transformers would add them)."""
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    from tokenizers import Tokenizer
-    try:
-        backend = Tokenizer.from_file(path)
-        config = _json_or_empty(os.path.join(folder, "tokenizer_config.json"))
-        special_map = _json_or_empty(os.path.join(folder, "special_tokens_map.json"))
-    except Exception:  # noqa: BLE001  (a file this tokenizers cannot read, or bad JSON: transformers decides)
-        return None
-    for i, token in (config.get("added_tokens_decoder") or {}).items():
-        content = token.get("content") if isinstance(token, dict) else None
-        if not str(i).isdigit() or content is None or backend.token_to_id(content) != int(i):
-            return None
-    backend.no_truncation()
-    backend.no_padding()
-    unk = _special_token("unk_token", config, special_map) or getattr(backend.model, "unk_token", None)
-    unk_id = None if unk is None else backend.token_to_id(unk)
-    return FolderTokenizer(backend, unk_token_id=unk_id,
-                           clean_up_spaces=config.get("clean_up_tokenization_spaces") is True)
+from .reader import CheckpointError, one_line
+from .folder_tokenizer import FolderTokenizer, folder_tokenizer, tokenizer_json_error  # noqa: F401  (re-exported)
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,7 +35,11 @@ def _tokenizer_for(path: str):
     if tok is not None:
         return tok
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: transformers cannot read the tokenizer files of this folder "
+                              f"({one_line(exc)})") from None
 
 
 def tokenizer(model: Model):
@@ -201,16 +115,19 @@ def embed_ids(model: Model, ids, valid=None):
             pos = np.broadcast_to(np.arange(n), ids.shape)
         pos = np.asarray(pos, np.int32)
     scale = None if info is None or info.embed_scale is None else np.float32(info.embed_scale)
-    x = _embed_arrays({k: jnp.asarray(v) for k, v in E.items()}, np.asarray(np.where(valid, ids, 0), np.int32), pos,
-                      scale, eps=float(model.layers.config.norm_eps))
+    x = embed_arrays({k: jnp.asarray(v) for k, v in E.items()}, np.asarray(np.where(valid, ids, 0), np.int32), pos,
+                      scale, eps=float(model.layers.config.norm_eps), dtype=np.dtype(model.layers.dtype).name)
     return x, jnp.asarray(valid)
 
 
-@functools.partial(jax.jit, static_argnames=("eps",))
-def _embed_arrays(E: dict, ids: "int[B n]", pos: "int[B n] | None", scale: "float[] | None", *, eps: float):
+@functools.partial(jax.jit, static_argnames=("eps", "dtype"))
+def embed_arrays(E: dict, ids: "int[B n]", pos: "int[B n] | None", scale: "float[] | None", *, eps: float,
+                  dtype: Optional[str] = None):
     """x0 "float[B n d]": word (times ``scale``) + position + token type embeddings, then the
-    embedding LayerNorm and projection where the model has them; one compiled program."""
-    x = E["word"][ids]
+    embedding LayerNorm and projection where the model has them; one compiled program. The
+    word rows are taken in the model's compute ``dtype`` (bf16 weights: only the B n rows upcast;
+    None: the stored dtype)."""
+    x = E["word"][ids] if dtype is None else E["word"][ids].astype(dtype)
     if scale is not None:
         x = x * scale.astype(x.dtype)
     if pos is not None:

@@ -23,7 +23,7 @@ some families (GPT-2, GPT-Neo, Llama, Mistral, Qwen, Gemma: ``info.final_norm_in
 from __future__ import annotations
 
 import functools
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ import numpy as np
 from ..dynamics import struct
 
 from ..dynamics.norms import apply_norm
+from ..dynamics.options import Dynamics, as_dynamics
 from ..dynamics.run import run_batch
 from .base import Model
 
@@ -48,17 +49,19 @@ def _norm(h, scale, bias, *, kind, eps):
     return apply_norm(kind, h, scale, bias, eps)
 
 
-def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, rule: str = "full",
-               attention: str = "softmax", keep_bias=None) -> "float[T+1 B n d]":
-    """All states of the model's schedule under ``rule``, x_0 first: "float[T+1 B n d]"
+def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, dynamics: Optional[Dynamics] = None,
+               rule: Optional[str] = None, attention: Optional[str] = None,
+               keep_bias: Optional[bool] = None) -> "float[T+1 B n d]":
+    """All states of the model's schedule under ``dynamics``, x_0 first: "float[T+1 B n d]"
     (the residual stream: no final norm, so ``logits(model, run_states(...)[-1])`` are the
-    model's logits under rule ``full``).
+    model's logits under the default, ``Dynamics.full()``: the model's own forward pass).
+    ``rule``, ``attention``, ``keep_bias``: deprecated, ``dynamics``' fields as loose keywords.
 
     States only (the ``states()`` observer of :func:`powerlens.dynamics.run`, no measures),
     so it compiles and runs fast; x0 "float[B n d]" or "float[n d]", valid "bool[B n]" or "bool[n]".
     """
-    return run_batch(model.layers, x0, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                     observe=("states",), steps_first=True)["states"]
+    dyn = as_dynamics(dynamics, rule, attention, keep_bias, default=Dynamics.full(), where="run_states")
+    return run_batch(model.layers, x0, valid, dynamics=dyn, observe=("states",), steps_first=True)["states"]
 
 
 @struct.dataclass
@@ -118,6 +121,9 @@ def logits(model: Model, h: Union["float[... d]", HiddenStates]) -> "float[... V
     block's output, before the final norm: ``hidden_states(...)[-1]``, ``run_states(...)[-1]``,
     any token or slice of them), or of a :class:`HiddenStates` (its ``normed`` last state):
     the final norm, then the LM head."""
+    if model.lm_head is None and getattr(model.info, "unread_head", None):
+        raise ValueError(f"logits: the model was loaded without its LM head (parts={model.info.parts!r}); "
+                         f"load it with parts='all'")
     W = model.lm_head if model.lm_head is not None else model.embeddings["word"]
     normed = isinstance(h, HiddenStates)
     h = h.normed if normed else jnp.asarray(h)

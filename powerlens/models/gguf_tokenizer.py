@@ -36,7 +36,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from ..io import cache_dir
-from .embed import FolderTokenizer
+from .folder_tokenizer import FolderTokenizer
 from .reader import CheckpointError
 
 TOKENIZER_MODELS = ("gpt2", "llama")
@@ -258,7 +258,7 @@ def _cache_path(spec: TokenizerSpec) -> Optional[str]:
 
 class GGUFTokenizer(FolderTokenizer):
     """The tokenizer of a GGUF file: a ``tokenizers.Tokenizer`` run directly, as a folder's
-    ``tokenizer.json`` is (:class:`~powerlens.models.embed.FolderTokenizer`: ``tok(text)``,
+    ``tokenizer.json`` is (:class:`~powerlens.models.folder_tokenizer.FolderTokenizer`: ``tok(text)``,
     ``encode``, ``decode``, ``convert_tokens_to_ids``, ``unk_token_id``), with the file's
     ``bos_token_id`` / ``eos_token_id`` (None where it names none) and ``convert_ids_to_tokens``."""
 
@@ -361,7 +361,7 @@ def gguf_tokenizer(path: str, gguf=None):
     spec = _SPECS.get(_file_key(path))
     if spec is None:
         if gguf is None:
-            from .gguf_llama import GGUFFile
+            from .gguf_file import GGUFFile
             gguf = GGUFFile(path)
         spec = tokenizer_spec(gguf)
     if isinstance(spec, CheckpointError):

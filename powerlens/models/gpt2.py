@@ -96,6 +96,8 @@ def convert_gpt2(config: dict, reader, dtype, name: str) -> Model:
         st["b_o"][i] = reader.get(p + "attn.c_proj.bias", (d,))
         st["norm_scale"][i] = reader.get(p + "ln_1.weight", (d,))
         st["norm_bias"][i] = reader.get(p + "ln_1.bias", (d,))
+        if not st.wants("W_in"):                 # a load without the FFN never reads it
+            continue
         st["ffn_norm_scale"][i] = reader.get(p + "ln_2.weight", (d,))
         st["ffn_norm_bias"][i] = reader.get(p + "ln_2.bias", (d,))
         st["W_in"][i] = reader.get(p + "mlp.c_fc.weight", (d, f)).T
@@ -113,7 +115,7 @@ def pre_ln_decoder(family, config, reader, st, *, d, H, e, eps, act, V, P, scale
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="layernorm", norm_eps=eps,
                       norm_placement="pre", ffn_activation=act, family=family)
     arrays = st.finish()
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
+    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
                          scale=scale, window=window, config=cfg, **arrays)
     embeddings = read_tensors(reader, {"word": "wte.weight", "position": "wpe.weight"},
                               {"word": (V, d), "position": (P, d)})

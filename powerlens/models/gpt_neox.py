@@ -37,7 +37,7 @@ import numpy as np
 from ..dynamics.params import LayerConfig, make_layers
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, head_size, lm_head,
-                      read_tensors, require, require_all, short_repr, to_device, tokenizer_folder)
+                      read_tensors, require, require_all, short_repr, to_device, tokenizer_folder, left_out, wanted)
 from .layout import LINEAR
 from .llama import check_rope_head_size, llama_info, rope_theta
 from .reader import CheckpointError
@@ -107,7 +107,7 @@ def decoder_model(st: Stack, *, family: str, d: int, H: int, e: int, G: Optional
                       norm_placement=placement, rope_theta=theta, rope_dim=rope_dim, ffn_activation=act,
                       family=family, parallel_residual=parallel)
     arrays = st.finish()
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
+    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
                          scale=e ** -0.5, window=np.asarray(window, np.int32), config=cfg, **arrays)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_scale, final_norm_bias=final_bias,
                  lm_head=head, lm_head_bias=head_bias, info=info)
@@ -160,7 +160,9 @@ def convert_gpt_neox(config: dict, reader, dtype, name: str) -> Model:
                                     "bias": pre + "final_layer_norm.bias"},
                            {"word": (V, d), "scale": (d,), "bias": (d,)})
     if reader.has("embed_out.weight") and not flag(config, "tie_word_embeddings", src, False):
-        head = to_device(reader.get("embed_out.weight", (V, d)))      # the name save_pretrained writes
+        head = to_device(reader.get("embed_out.weight", (V, d))) if wanted("lm_head") else None   # save_pretrained's name
+        if head is None:
+            left_out("lm_head", "embed_out.weight")
     else:
         head = lm_head(config, reader, (V, d), default_tied=False)
     info = llama_info(source=reader.folder, tokenizer=tokenizer_folder(reader.folder),

@@ -72,7 +72,32 @@ def checkpoint_delta(source: Union[str, object], delta_O) -> np.ndarray:
 
 def vocabulary_rows(model) -> int:
     """V, the number of rows of :func:`unembedding_matrix`, without forming it."""
+    info = getattr(model, "info", None)
+    if model.lm_head is None and getattr(info, "unread_head", None):
+        return int(unread_head_rows(info, None, shape_only=True)[0])
     return int((model.lm_head if model.lm_head is not None else model.embeddings["word"]).shape[0])
+
+
+def unread_head_rows(info, rows=None, *, shape_only: bool = False):
+    """Rows ``rows`` "int[K]" (None: all) of the LM head a ``parts`` load left unread, read from
+    the checkpoint ``info.source`` now: a safetensors folder reads each row by its offset
+    (:meth:`~powerlens.models.reader.TensorReader.rows`); a GGUF file dequantises the tensor.
+    ``shape_only``: its stored shape (V, d), nothing read."""
+    name, source = info.unread_head, info.source
+    if str(source).endswith(".gguf"):
+        from .gguf_file import GGUFFile
+        f = GGUFFile(source)
+        t = f.tensors[name]
+        shape = tuple(int(s) for s in reversed(list(t.shape)))
+        if shape_only:
+            return shape
+        W = f.get(name, shape)
+        return W if rows is None else W[np.asarray(rows, np.int64)]
+    from .reader import TensorReader
+    reader = TensorReader(source, dtype=np.float32)
+    if shape_only:
+        return reader.check(name)
+    return reader.get(name) if rows is None else reader.rows(name, rows)
 
 
 def unembedding_matrix(model, rows=None) -> np.ndarray:
@@ -83,11 +108,15 @@ def unembedding_matrix(model, rows=None) -> np.ndarray:
     whose embedding width E differs from d, the word rows (V, E) are mapped through the
     embedding projection ``project_W`` (d, E).
     """
+    from ..dynamics.execution import host_array       # a head split over other hosts' devices: gathered
     d = model.layers.config.d_model
     pick = (lambda a: a) if rows is None else (lambda a: a[np.asarray(rows, np.int64)])
+    info = getattr(model, "info", None)
+    if model.lm_head is None and getattr(info, "unread_head", None):     # a load without the LM head
+        return np.asarray(unread_head_rows(info, rows), np.float64)
     if model.lm_head is not None:
-        return np.asarray(pick(np.asarray(model.lm_head)), np.float64)
-    W = np.asarray(pick(np.asarray(model.embeddings["word"])), np.float64)
+        return np.asarray(pick(host_array(model.lm_head)), np.float64)
+    W = np.asarray(pick(host_array(model.embeddings["word"])), np.float64)
     if W.shape[1] != d:
         if "project_W" not in model.embeddings:
             raise ValueError(f"word embeddings have width {W.shape[1]} != d={d} and there is no projection")

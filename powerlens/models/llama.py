@@ -32,10 +32,10 @@ from typing import Collection, NamedTuple
 
 import numpy as np
 
-from ..dynamics.params import LayerConfig, make_layers
+from ..dynamics.params import SANDWICH_NORMS, LayerConfig, make_layers, wide
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
-                      require, require_all, short_repr, tokenizer_folder)
+                      require, require_all, short_repr, tokenizer_folder, wanted)
 from .layout import LINEAR
 from .reader import CheckpointError
 
@@ -55,7 +55,6 @@ LLAMA_ONLY = {"rope_interleaved": (False,)}
 ATTENTION_BIASES = ("b_q", "b_k", "b_v", "b_o")
 MLP_BIASES = ("b_in", "b_out")
 QK_NORMS = ("q_norm_scale", "k_norm_scale")                     # per-head RMSNorm of q, k (Qwen3, Gemma 3)
-SANDWICH_NORMS = ("post_attn_norm_scale", "post_ffn_norm_scale")  # Gemma 2/3
 NORM_KEYS = ("norm_scale", "ffn_norm_scale") + QK_NORMS + SANDWICH_NORMS
 
 
@@ -95,8 +94,8 @@ def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_
                       family=info.family, attn_softcap=attn_softcap)
     arrays = stack.finish()
     if rope_base is not None:
-        arrays["rope_base"] = np.asarray(rope_base, stack.dtype)
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q"), W_k=arrays.pop("W_k"),
+        arrays["rope_base"] = np.asarray(rope_base, np.promote_types(stack.dtype_of("W_v"), np.float32))
+    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
                          scale=e ** -0.5 if scale is None else scale, window=np.asarray(window, np.int32),
                          config=cfg, **arrays)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_norm, final_norm_bias=None,
@@ -208,13 +207,24 @@ def convert_hf_llama(config: dict, reader, dtype, name: str, *, family: str, bia
     eps = require(config, "rms_norm_eps", src, kind=float, default=1e-6)
     check_layer_count(s.L, "num_hidden_layers", reader.names(), "layers.", src)
     table = dict(HF_TENSORS, **(tensors or {}))
-    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases, norms=norms), reader.folder)
-    for key in st.shapes:
+    tied = config.get("tie_word_embeddings")
+    table_bytes = {"word embeddings": s.V * s.d * np.dtype(dtype).itemsize if wanted("word") else 0,
+                   "LM head": s.V * s.d * np.dtype(dtype).itemsize
+                   if wanted("lm_head") and not (default_tied if tied is None else tied) else 0}
+    st = Stack(s.L, dtype, llama_shapes(s.d, s.H, s.G, s.e, s.f, biases=biases, norms=norms), reader.folder,
+               extra={k: v for k, v in table_bytes.items() if v})
+    kept = [key for key in st.shapes if st.wants(key)]
+    for key in kept:                                 # every shape (headers only), then the memory, then the reads
+        for i in range(s.L):
+            reader.check(f"layers.{i}.{table[key][0]}", table[key][1](s))
+    st.check_memory()
+    for key in kept:
         tensor, stored = table[key]
         for i in range(s.L):
             st.read(key, i, reader, f"layers.{i}.{tensor}", stored(s))
+        st.done(key)                                            # one stacked NumPy array alive at a time
         if norm_offset and key in NORM_KEYS:
-            np.add(st[key], norm_offset, out=st[key])          # in place: w + 1 for Gemma's (1 + w)
+            st.device[key] = wide(st.device[key]) + norm_offset     # w + 1 (Gemma), at least float32
     if "b_in" in biases:
         reject_gate_bias(reader, s)
     folder = reader.folder
@@ -224,9 +234,11 @@ def convert_hf_llama(config: dict, reader, dtype, name: str, *, family: str, bia
                       **(info_extra or {}))
     tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"},
                            {"word": (s.V, s.d), "norm": (s.d,)})
-    final = tensors["norm"] + norm_offset if norm_offset else tensors["norm"]
+    final = tensors["norm"]
+    if norm_offset and final is not None:
+        final = wide(final) + norm_offset
     return llama_model(st, d=s.d, H=s.H, G=s.G, e=s.e, eps=eps, theta=theta, act=act,
-                       embeddings={"word": tensors["word"]}, final_norm=final,
+                       embeddings={} if tensors["word"] is None else {"word": tensors["word"]}, final_norm=final,
                        head=lm_head(config, reader, (s.V, s.d), default_tied=default_tied), info=info, window=window,
                        scale=scale, attn_softcap=attn_softcap, rope_base=rope_base)
 

@@ -10,6 +10,7 @@ Resolution is offline first. A hub id missing from the cache is downloaded only 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from typing import Optional
@@ -18,6 +19,7 @@ import numpy as np
 
 from .base import CONVERTERS, Model
 from .reader import CheckpointError, TensorReader, one_line, read_config
+from ..io import hf_cache_dir, hub_cache_path  # noqa: F401  (light: the CLI checks names before importing JAX)
 
 # alias -> (package, relative path inside it)
 ALIASES = {
@@ -97,53 +99,73 @@ def resolve(source: str, *, allow_download: bool = False) -> str:
         f"(allow_download=True in Python) on a machine that is online")
 
 
-def hf_cache_dir() -> str:
-    """The Hugging Face hub cache folder (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return os.path.join(home, "hub")
-
-
-def hub_cache_path(repo_id: str, revision: str = "main") -> Optional[str]:
-    """The snapshot folder of ``repo_id`` in the local HF cache, or None.
-
-    Reads the cache layout directly (``models--org--name/refs/<revision>`` ->
-    ``snapshots/<hash>``): no network, no hub client start-up.
-    """
-    if not repo_id or repo_id.startswith(("/", ".")) or repo_id.count("/") > 1:
-        return None
-    root = os.path.join(hf_cache_dir(), "models--" + repo_id.replace("/", "--"))
-    snapshots = os.path.join(root, "snapshots")
-    if not os.path.isdir(snapshots):
-        return None
-    ref = os.path.join(root, "refs", revision)
-    if os.path.isfile(ref):
-        with open(ref) as fh:
-            path = os.path.join(snapshots, fh.read().strip())
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-    for name in sorted(os.listdir(snapshots)):   # no ref: any snapshot with a config
-        path = os.path.join(snapshots, name)
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-    return None
-
-
 def download(repo_id: str) -> str:  # pragma: no cover - needs the network
     """Fetch config, tokenizer and safetensors weights of ``repo_id`` from the hub."""
     from huggingface_hub import snapshot_download
     return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
 
 
-def load(source: str, *, dtype=np.float32, allow_download: bool = False) -> Model:
-    """Load a checkpoint as a :class:`~powerlens.models.base.Model` (see module docstring)."""
+def checkpoint_dtype(reader: TensorReader) -> np.dtype:
+    """The dtype a load with ``dtype=None`` keeps: the one float dtype every tensor of the
+    checkpoint is stored in (read from the headers), or the widest of them when they differ,
+    so that no tensor loses precision; float32 when none is known."""
+    dtypes = set()
+    for n in reader.names():
+        try:
+            dtypes.add(reader.stored_dtype(n))
+        except CheckpointError:          # not a float tensor, or a corrupt entry: its read will say so
+            pass
+    if not dtypes:
+        return np.dtype(np.float32)
+    return max(dtypes, key=lambda d: (d.itemsize, d.name == "float16"))
+
+
+def load(source: str, *, dtype=None, compute_dtype="float32", precision: str = "highest", parts: str = "all",
+         allow_download: bool = False, mesh=None) -> Model:
+    """Load a checkpoint as a :class:`~powerlens.models.base.Model` (see module docstring).
+
+    Args:
+      dtype: the dtype the weights are held in. None (default): the checkpoint's own
+        (:func:`checkpoint_dtype`: a bf16 safetensors checkpoint stays bf16, float32 stays
+        float32); GGUF blocks are dequantised to float32 unless ``dtype`` says ``bfloat16``.
+        Any of float64, float32, float16, bfloat16 forces it (each tensor converted as read).
+      compute_dtype: what each step computes in (each layer's weights cast inside the scan,
+        one layer at a time: ``LayerConfig.compute_dtype``); None = the storage dtype.
+      precision: matmul precision of each step (``LayerConfig.precision``, default
+        ``"highest"``: full float32, never TF32).
+      parts: what is read (:data:`~powerlens.models.convert.PARTS`): ``all``; ``attention`` (no
+        FFN, no LM head: enough for the paper and faithful rules, spectra and embeddings);
+        ``spectrum`` (each layer's W_v and W_o alone: F_t = W_o V_cat). What is not read is None.
+      mesh: place the weights over this mesh's ``model`` axis (:func:`powerlens.models.shard.shard`:
+        heads, FFN width and vocabulary split; a mesh from
+        :func:`~powerlens.dynamics.execution.model_mesh`); they are read into host memory and
+        each array is then placed, one at a time. None (default): the default device.
+
+    The memory of the weights to be read is checked from the config's sizes before any tensor
+    is read; a model that cannot fit is refused in one line.
+    """
+    if mesh is not None:
+        from .shard import host_staging, shard
+        with host_staging():
+            model = load(source, dtype=dtype, compute_dtype=compute_dtype, precision=precision, parts=parts,
+                         allow_download=allow_download)
+        return shard(model, mesh)
     from . import families  # noqa: F401  (registers the converters)
+    from ..dynamics.params import PRECISIONS
+    from .convert import check_parts, reading
+    from .reader import float_dtype
+    check_parts(parts)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {PRECISIONS}")
+    dtype = None if dtype is None else float_dtype(dtype, "dtype")
+    compute = None if compute_dtype is None else float_dtype(compute_dtype, "compute_dtype")
     path = resolve(source, allow_download=allow_download)
     name = source
     if os.path.isfile(path) and path.endswith(".gguf"):
         from .gguf_llama import load_gguf
-        return load_gguf(path, dtype=dtype, name=name)
+        with reading(parts) as unread:
+            model = load_gguf(path, dtype=np.float32 if dtype is None else dtype, name=name)
+        return with_compute(model, compute, precision, parts, unread)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: expected a Hugging Face model folder or a .gguf file")
     config = read_config(path)
@@ -153,4 +175,24 @@ def load(source: str, *, dtype=np.float32, allow_download: bool = False) -> Mode
             f"{path}: unsupported architecture model_type={model_type!r} "
             f"(supported: {', '.join(sorted(CONVERTERS))})")
     reader = TensorReader(path, dtype=dtype)
-    return CONVERTERS[model_type](config, reader, np.dtype(dtype), name)
+    if dtype is None:
+        reader.dtype = dtype = checkpoint_dtype(reader)
+    with reading(parts) as unread:
+        model = CONVERTERS[model_type](config, reader, np.dtype(dtype), name)
+    return with_compute(model, compute, precision, parts, unread)
+
+
+def with_compute(model: Model, compute_dtype, precision: str, parts: str = "all", unread=None) -> Model:
+    """``model`` whose layers compute in ``compute_dtype`` (None: their storage dtype) at matmul
+    ``precision``; the softmax scale is held at least in float32; its info records ``parts``
+    and the unread LM head (``unread``, from :func:`~powerlens.models.convert.reading`)."""
+    from ..dynamics.params import wide
+    layers = model.layers
+    cd = None if compute_dtype is None or np.dtype(compute_dtype) == np.dtype(layers.W_v.dtype) \
+        else np.dtype(compute_dtype).name
+    cfg = dataclasses.replace(layers.config, compute_dtype=cd, precision=precision)
+    embeddings = {k: v for k, v in model.embeddings.items() if v is not None}     # parts left out: absent
+    info = model.info if model.info is None else dataclasses.replace(
+        model.info, parts=parts, unread_head=(unread or {}).get("lm_head"))
+    return model.replace(layers=layers.replace(scale=wide(layers.scale), config=cfg), embeddings=embeddings,
+                         info=info)

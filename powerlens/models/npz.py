@@ -197,8 +197,8 @@ def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
 
 def save_weights_npz(path: str, layers: Layers) -> str:
     """Write ``layers`` in the documented format (with the layer axis)."""
-    from ..io import _atomic
+    from ..io import atomic_write
     arrays = {k: np.asarray(getattr(layers, k)) for k in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o",
                                                            "scale", "window") if getattr(layers, k) is not None}
     arrays["causal"] = np.asarray(layers.config.causal)
-    return _atomic(path, lambda fh: np.savez(fh, **arrays))
+    return atomic_write(path, lambda fh: np.savez(fh, **arrays))

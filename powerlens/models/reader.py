@@ -11,7 +11,13 @@ Name prefixes such as ``bert.``, ``transformer.`` and ``model.`` are stripped; b
 (``position_ids``, causal-mask buffers) are skipped by whole dotted name components
 (``h.0.attn.bias`` is a buffer, ``h.0.attn.c_attn.bias`` is not). A missing tensor, a
 wrong shape, an unsupported dtype or a non-finite value is an error that names the
-file and the tensor. fp16/bf16 are upcast to the requested float dtype.
+file and the tensor.
+
+Dtypes: with ``dtype=None`` every tensor keeps the dtype it is stored in (F32 -> float32,
+F16 -> float16, BF16 -> ``ml_dtypes.bfloat16``, F64 -> float64), so a bf16 checkpoint is
+held in bf16; a given ``dtype`` converts each tensor to it as it is read (one tensor at a
+time, never the whole checkpoint). :meth:`TensorReader.rows` reads single rows of a
+tensor (token directions read from the unembedding) by their file offsets.
 
 Nothing large is allocated on the word of a file: a header entry must lie inside the
 file before its tensor is read, and every allocation made on a file's behalf is checked
@@ -36,6 +42,7 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 # safetensors dtype -> little-endian NumPy storage dtype (BF16 read as raw uint16 bits)
 _ST_NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 ALIGN = 64   # XLA's CPU client aliases (does not copy) host buffers aligned like this
+STORED_DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16)}
 _FINITE_CHUNK = 1 << 22  # elements per finiteness check (bounds the boolean temporary)
 MAX_HEADER = 100 << 20   # the safetensors format's own limit on the JSON header
 
@@ -110,10 +117,41 @@ def aligned_empty(shape, dtype, align: int = ALIGN, *, what: Optional[str] = Non
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+def bfloat16() -> np.dtype:
+    """NumPy's bfloat16 (``ml_dtypes``, a JAX dependency)."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def stored_dtype(st_dtype: str) -> np.dtype:
+    """The NumPy dtype a safetensors dtype name (``F32``, ``BF16``, ...) is held in."""
+    return bfloat16() if st_dtype == "BF16" else STORED_DTYPES[st_dtype]
+
+
+FLOAT_NAMES = ("float64", "float32", "float16", "bfloat16")
+
+
+def float_dtype(dtype, what: str = "dtype") -> np.dtype:
+    """``dtype`` (a name such as ``"bfloat16"``, a NumPy or JAX dtype) as a NumPy float dtype of
+    :data:`FLOAT_NAMES`; a ValueError naming ``what`` otherwise."""
+    try:
+        dt = bfloat16() if isinstance(dtype, str) and dtype in ("bfloat16", "bf16") else np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in FLOAT_NAMES:
+        raise ValueError(f"{what}={dtype!r} is not one of {', '.join(FLOAT_NAMES)}")
+    return dt
+
+
 def all_finite(a: np.ndarray) -> bool:
-    """``np.isfinite(a).all()`` in chunks, so the check allocates little."""
+    """``np.isfinite(a).all()`` in chunks, so the check allocates little (float16/bfloat16 are
+    checked in float32, chunk by chunk)."""
     flat = a.reshape(-1)
-    return all(bool(np.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, flat.size, _FINITE_CHUNK))
+    wide = flat.dtype.itemsize < 4
+
+    def ok(part):
+        return bool(np.isfinite(part.astype(np.float32) if wide else part).all())
+    return all(ok(flat[i:i + _FINITE_CHUNK]) for i in range(0, flat.size, _FINITE_CHUNK))
 
 
 def _is_buffer(name: str) -> bool:
@@ -179,11 +217,14 @@ def _strip(name: str, prefixes: Sequence[str]) -> str:
 
 
 class TensorReader:
-    """Lazy, name-normalised access to the tensors of one checkpoint folder."""
+    """Lazy, name-normalised access to the tensors of one checkpoint folder.
+
+    ``dtype``: what :meth:`get` returns; None keeps each tensor's stored dtype
+    (:func:`stored_dtype`)."""
 
     def __init__(self, folder: str, *, dtype=np.float32, prefixes: Sequence[str] = STRIP_PREFIXES):
         self.folder = folder
-        self.dtype = np.dtype(dtype)
+        self.dtype = None if dtype is None else np.dtype(dtype)
         self._index: Dict[str, Tuple[str, str]] = {}   # stripped name -> (file, original name)
         self._torch_state = None
         self._headers: Dict[str, Tuple[int, dict, int]] = {}   # path -> (data start, header, data size)
@@ -214,12 +255,9 @@ class TensorReader:
     def _names(self, path: str) -> Iterable[str]:
         if path.endswith(".bin"):
             return list(self._load_torch(path).keys())
-        from safetensors import safe_open
-        try:
-            with safe_open(path, "np") as f:
-                return list(f.keys())
-        except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{path}: not a readable safetensors file ({one_line(exc)})") from exc
+        # the names from the header alone: an entry is checked when its tensor is read
+        # (:meth:`_entry`), so a corrupt tensor that a command never reads does not stop it
+        return [k for k in self._header(path)[1] if k != "__metadata__"]
 
     def _load_torch(self, path: str):
         if self._torch_state is None:
@@ -256,7 +294,8 @@ class TensorReader:
 
     def get(self, name: str, shape: Optional[Tuple[int, ...]] = None, *, dtype=None,
             out: Optional[np.ndarray] = None) -> np.ndarray:
-        """Tensor ``name`` (prefix-stripped) as a float array of the reader's dtype.
+        """Tensor ``name`` (prefix-stripped) as a float array of ``dtype`` (default: the reader's;
+        None: the dtype it is stored in).
 
         ``out``: an existing C-contiguous float array (e.g. one layer's slot of a stacked
         array, reshaped to the stored shape) to read into instead of a new aligned array;
@@ -265,7 +304,12 @@ class TensorReader:
         Raises CheckpointError naming the tensor when it is missing, has another shape,
         an unsupported dtype, or non-finite values.
         """
-        out_dtype = np.dtype(out.dtype if out is not None else (dtype if dtype is not None else self.dtype))
+        if out is not None:
+            out_dtype = out.dtype
+        elif dtype is not None or self.dtype is not None:
+            out_dtype = np.dtype(dtype if dtype is not None else self.dtype)
+        else:
+            out_dtype = self.stored_dtype(name)
         if out is not None:
             if shape is None:
                 shape = out.shape
@@ -275,12 +319,61 @@ class TensorReader:
         path, orig = self._index[name]
         if path.endswith(".bin"):
             dst = out if out is not None else self._empty(path, name, stored, out_dtype)
-            dst[...] = self._load_torch(path)[orig].float().numpy()
+            t = self._load_torch(path)[orig]
+            dst[...] = (t.double() if t.dtype.itemsize == 8 else t.float()).numpy()
         else:
             dst = self._read_safetensors(path, orig, name, out_dtype, out)
         if not all_finite(dst):
             raise CheckpointError(f"{path}: tensor {name!r} contains non-finite values (NaN or inf)")
         return dst
+
+    def stored_dtype(self, name: str) -> np.dtype:
+        """The NumPy dtype tensor ``name`` is stored in (read from the header, nothing else)."""
+        if name not in self._index:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing from the checkpoint")
+        path, orig = self._index[name]
+        if path.endswith(".bin"):
+            t = self._load_torch(path)[orig]
+            return {8: np.dtype(np.float64), 2: bfloat16() if "bfloat16" in str(t.dtype) else np.dtype(np.float16)
+                    }.get(t.dtype.itemsize, np.dtype(np.float32))
+        return stored_dtype(self._entry(path, orig, name)[0])
+
+    def nbytes(self, name: str) -> int:
+        """Bytes tensor ``name`` takes in its stored dtype (from the header)."""
+        return int(np.prod(self.check(name), dtype=object)) * self.stored_dtype(name).itemsize
+
+    def rows(self, name: str, rows, *, dtype=None) -> np.ndarray:
+        """Rows ``rows`` "int[K]" of the 2-D tensor ``name`` "[R C]" as "[K C]", each row read by
+        its offset in the file (a safetensors file; other formats read the tensor), nothing else
+        of the tensor. ``dtype``: as in :meth:`get`. An index outside [0, R) is a ValueError."""
+        stored = self.check(name)
+        if len(stored) != 2:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} has shape {stored}, expected a matrix")
+        idx = np.asarray(rows, np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= stored[0]):
+            raise ValueError(f"row index out of range [0, {stored[0]}) for tensor {name!r}")
+        out_dtype = np.dtype(dtype) if dtype is not None else (self.dtype or self.stored_dtype(name))
+        path, orig = self._index[name]
+        if path.endswith(".bin"):
+            return np.asarray(self.get(name, dtype=out_dtype)[idx])
+        base = self._header(path)[0]
+        st_dtype, _, begin, _ = self._entry(path, orig, name)
+        src = np.dtype(_ST_NUMPY[st_dtype])
+        width = stored[1] * src.itemsize
+        raw = np.empty((idx.size, stored[1]), src)
+        try:
+            with open(path, "rb") as fh:
+                for k, r in enumerate(idx):
+                    fh.seek(base + begin + int(r) * width)
+                    if fh.readinto(memoryview(raw[k].view(np.uint8))) != width:
+                        raise CheckpointError(f"{path}: tensor {name!r} is cut short at row {int(r)}")
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot read tensor {name!r} ({one_line(exc)})") from exc
+        held = raw.view(bfloat16()) if st_dtype == "BF16" else raw.astype(src.newbyteorder("="))
+        out = held.astype(out_dtype)
+        if not all_finite(out):
+            raise CheckpointError(f"{path}: tensor {name!r} contains non-finite values (NaN or inf)")
+        return out
 
     def check(self, name: str, shape: Optional[Tuple[int, ...]] = None) -> Tuple[int, ...]:
         """The stored shape of tensor ``name``, read from the file's header without reading the
@@ -349,8 +442,9 @@ class TensorReader:
         dst = out if out is not None else self._empty(path, name, st_shape, out_dtype)
         if not dst.flags.c_contiguous:
             raise ValueError(f"destination for tensor {name!r} must be C-contiguous")
-        direct = st_dtype != "BF16" and src.newbyteorder("=") == dst.dtype and src.isnative
-        buf = dst if direct else np.empty(st_shape, src)
+        held = stored_dtype(st_dtype)
+        direct = src.isnative and held == dst.dtype        # the stored bytes are the destination's
+        buf = dst.view(src) if direct else np.empty(st_shape, src)
         try:
             with open(path, "rb") as fh:
                 fh.seek(base + begin)
@@ -362,7 +456,7 @@ class TensorReader:
                                   f"the file is truncated or corrupt")
         if not direct:
             if st_dtype == "BF16":   # bf16 = the top 16 bits of a float32
-                buf = (buf.astype(np.uint32) << 16).view(np.float32)
+                buf = buf.view(held) if dst.dtype.itemsize < 4 else (buf.astype(np.uint32) << 16).view(np.float32)
             dst[...] = buf.reshape(st_shape)
             del buf
         return dst

@@ -31,8 +31,14 @@ class TopToken(NamedTuple):
     prob: float
 
 
+def _check_model(model, what: str) -> None:
+    if not isinstance(model, Model):
+        raise ValueError(f"{what}: model must be a powerlens Model (powerlens.load(...)), got {type(model).__name__}")
+
+
 def vocabulary_size(model: Model) -> int:
     """V, the rows of the model's word embeddings (the ids :func:`decode` accepts)."""
+    _check_model(model, "vocabulary_size")
     return int(model.embeddings["word"].shape[0])
 
 
@@ -65,6 +71,7 @@ def decode(model: Model, ids, *, valid=None, skip_special_tokens: bool = False) 
     ``decode(model, tokenize(model, text)[0]) == text`` for tokenizers that add no special
     token and do not normalise the text (byte-level BPE: GPT-2, Llama 3, SmolLM2, ...).
     """
+    _check_model(model, "decode")
     if isinstance(ids, (int, np.integer)):
         ids = [int(ids)]
     if _is_nested(ids):                                  # prompts of any lengths
@@ -98,7 +105,10 @@ def _is_nested(ids) -> bool:
 
 def _mask(valid, shape, what: str) -> np.ndarray:
     """The mask "bool[n]" of one prompt's ids of shape (n,)."""
-    m = np.asarray(valid, bool)
+    m = np.asarray(valid)
+    if not (m.dtype == bool or (np.issubdtype(m.dtype, np.integer) and np.isin(m, (0, 1)).all())):
+        raise ValueError(f"{what}: valid must be a mask of booleans (True on the tokens to decode), got dtype {m.dtype}")
+    m = m.astype(bool)
     if m.shape != shape:
         raise ValueError(f"{what}: valid has shape {m.shape}, the ids {shape}")
     return m
@@ -106,12 +116,22 @@ def _mask(valid, shape, what: str) -> np.ndarray:
 
 def token_texts(model: Model, ids: Sequence[int]) -> List[str]:
     """The text of each token of ``ids`` on its own (special tokens by their names)."""
+    _check_model(model, "token_texts")
     ids = np.asarray(ids).reshape(-1)
     _check_ids(model, ids, "token_texts")
     dec = _decoder(model)
     unique, inverse = np.unique(ids, return_inverse=True)
     texts = [dec.decode([int(i)], skip_special_tokens=False) for i in unique]
     return [texts[j] for j in inverse.reshape(-1)]
+
+
+def _real_array(logits, V: int) -> np.ndarray:
+    """``logits`` as a NumPy array, or one ValueError naming the argument (text, None, ragged lists)."""
+    try:
+        return np.asarray(logits)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"top_tokens: logits must be an array of numbers float[... {V}] "
+                         f"({' '.join(str(exc).split())[:120]})") from None
 
 
 @functools.partial(jax.jit, static_argnames="k")
@@ -126,8 +146,12 @@ def top_tokens(model: Model, logits, k: int = 5):
     :func:`~powerlens.models.forward.logits`) give nested lists, one level per leading axis.
 
     Probabilities are the softmax over the whole vocabulary, in float32."""
-    z = jnp.asarray(logits)
+    _check_model(model, "top_tokens")
     V = vocabulary_size(model)
+    z = logits if isinstance(logits, jax.Array) else _real_array(logits, V)
+    if not (jnp.issubdtype(z.dtype, jnp.floating) or jnp.issubdtype(z.dtype, jnp.integer)):
+        raise ValueError(f"top_tokens: logits must be real numbers float[... {V}], got dtype {z.dtype}")
+    z = jnp.asarray(z)
     if z.ndim == 0 or z.shape[-1] != V:
         raise ValueError(f"top_tokens: logits of shape {tuple(z.shape)}; expected float[... {V}], the model's "
                          f"vocabulary on the last axis (pl.logits(model, h))")

@@ -8,67 +8,33 @@ exits non-zero.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 import traceback
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Dict, List
+from typing import Callable, List, Optional
 
 from .. import io
+from .context import Context, all_sections, stderr_is_tty  # noqa: F401  (re-exported)
 from .section import SectionResult
 
-if TYPE_CHECKING:
-    from ..sweeps.store import ChunkFolder
 
-
-@dataclasses.dataclass
-class Context:
-    out: str
-    store: "ChunkFolder"            # the one chunk store (powerlens.sweeps.store)
-    quick: bool
-    seed: int
-    models: List[str]
-    show_progress: bool = True
-    pending: Dict[str, Future] = dataclasses.field(default_factory=dict)   # model -> its worker (--jobs)
-
-    def model_chunk(self, model: str, key: str, compute: Callable[[], Any]) -> Any:
-        """Chunk ``key`` of real model ``model``. When a worker process is computing that
-        model's chunks (:mod:`~powerlens.reproduce.workers`), wait for it and read them back;
-        whatever it did not finish is computed here."""
-        worker = self.pending.pop(model, None)
-        if worker is not None:
-            try:
-                self.store.adopt(worker.result())
-            except Exception as exc:  # noqa: BLE001  (a dead worker: its model is computed here instead)
-                print(f"powerlens reproduce: the worker process for {model} failed ({type(exc).__name__}: {exc}); "
-                      f"computing its chunks here", file=sys.stderr)
-        return self.store.cached(key, compute)
-
-    def fig(self, name: str) -> str:
-        """Absolute path for a figure; sections list it relative to ``out``."""
-        os.makedirs(os.path.join(self.out, "figures"), exist_ok=True)
-        return os.path.join(self.out, "figures", name)
-
-    def rel(self, path: str) -> str:
-        return os.path.relpath(path, self.out)
-
-    def progress(self, iterable, desc: str):
+def _announce(ctx: "Context", k: int, n: int, fn: Callable) -> None:
+    """One line on stderr as section ``k`` of ``n`` starts (unless ``--quiet``)."""
+    if not ctx.show_progress:
+        return
+    text = f"powerlens reproduce: section {k}/{n}: {getattr(fn, 'title', fn.__name__)}"
+    if stderr_is_tty():
         from tqdm.auto import tqdm
-        return tqdm(list(iterable), desc=desc, disable=not self.show_progress, leave=True)
-
-
-def all_sections() -> List[Callable]:
-    """Sections 1-8 in the order of the report."""
-    from . import real_models, steering_section, synthetic
-    layer_varying, shared_real, ffn = real_models.SECTIONS
-    return list(synthetic.SECTIONS) + [layer_varying, shared_real] + steering_section.SECTIONS + [ffn]
+        tqdm.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def run_sections(ctx: Context, sections) -> List[SectionResult]:
     results = []
-    for fn in sections:
+    for k, fn in enumerate(sections, 1):
+        _announce(ctx, k, len(sections), fn)
         t0 = time.time()
         try:
             res = fn(ctx)
@@ -90,7 +56,7 @@ def settings_difference(old: dict, new: dict) -> str:
 
 
 FILES = ("results.json", "report.md", "report.html")            # what a finished run writes ...
-FOLDERS = {".chunks": "*/*.json", "figures": "*.png"}           # ... beside its chunks (one folder per settings)
+FOLDERS = (".chunks", "figures")      # ... beside its chunks and figures, each listed as written (io.claim)
 
 
 def _settings_difference(old: dict, new: dict) -> str:
@@ -114,7 +80,10 @@ def prepare_folder(out: str, settings: dict, *, overwrite: bool) -> None:
     io.mark_resumable(out, "reproduce", settings, files=FILES, folders=FOLDERS)
 
 
-def cmd_reproduce(args) -> int:
+def cmd_reproduce(args, *, worker_base_env: Optional[dict] = None) -> int:
+    """``powerlens reproduce``. ``worker_base_env``: the environment the worker processes start
+    from (default ``os.environ``; the command line gives the user's, from before it asked for
+    one XLA thread in this process)."""
     settings = {"quick": bool(args.quick), "seed": int(args.seed), "models": list(args.models or []),
                 "sections": sorted(args.sections) if getattr(args, "sections", None) else None}
     from .workers import check_jobs
@@ -122,22 +91,21 @@ def cmd_reproduce(args) -> int:
     out = io.check_out_path(args.out, command="reproduce")
     with io.folder_lock(out):
         prepare_folder(out, settings, overwrite=bool(getattr(args, "overwrite", False)))
-        return _reproduce_into(out, settings, args)
+        return _reproduce_into(out, settings, args, worker_base_env)
 
 
-def _reproduce_into(out: str, settings: dict, args) -> int:
+def _reproduce_into(out: str, settings: dict, args, worker_base_env: Optional[dict] = None) -> int:
     from ..sweeps.store import ChunkFolder
     from .report import render_html, render_markdown
-    from ..sweeps.distributed import start_xla
     from .workers import model_workers
     store = ChunkFolder(out, settings)
-    ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []))
+    ctx = Context(out=out, store=store, quick=args.quick, seed=args.seed, models=list(args.models or []),
+                  show_progress=not getattr(args, "quiet", False))
     sections = all_sections()
     if getattr(args, "sections", None):
         sections = [s for s in sections if any(k in s.__name__ for k in args.sections)]
     t0 = time.time()
-    with model_workers(ctx, sections, settings, args.jobs):
-        start_xla()               # this process's XLA, on the one thread asked above, once the workers have forked
+    with model_workers(ctx, sections, settings, args.jobs, base_env=worker_base_env):   # starts this process's XLA
         results = run_sections(ctx, sections)
     full_settings = {**settings, "versions": io.versions()}
     doc = {"settings": settings, "sections": [r.to_json() for r in results]}

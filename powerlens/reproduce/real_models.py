@@ -18,6 +18,7 @@ import numpy as np
 
 from ..analysis.alignment import align_model, model_spectra
 from ..analysis.experiment import StepMeasures, plot_measures
+from ..dynamics.options import Dynamics
 from .section import SectionResult, Table, verdict_from
 
 DEFAULT_MODELS = ["minilm", "smollm2", "gemma3"]
@@ -36,7 +37,8 @@ PROMPTS = [
 ]
 
 
-def _prompts(ctx) -> List[str]:
+def section_prompts(ctx) -> List[str]:
+    """The prompts of the real-model sections: :data:`PROMPTS` (the first 3 under --quick)."""
     return PROMPTS[:3] if ctx.quick else PROMPTS
 
 
@@ -56,14 +58,15 @@ def available_models(ctx):
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name: str):
+def cached_model(name: str):
+    """The model ``name`` (:func:`powerlens.models.load`), loaded once for every section."""
     from ..models import load
     return load(name)
 
 
 @functools.lru_cache(maxsize=4)
 def _spectra(name: str):
-    return model_spectra(_load(name))
+    return model_spectra(cached_model(name))
 
 
 # --------------------------------------------------------------------------- section 5
@@ -72,9 +75,9 @@ RULES_5 = ("paper", "faithful")
 
 
 def _layer_varying_chunk(ctx, name: str, rule: str) -> dict:
-    model = _load(name)
-    texts = _prompts(ctx)
-    res = align_model(model, texts, rule=rule, seed=ctx.seed, spectra=_spectra(name))
+    model = cached_model(name)
+    texts = section_prompts(ctx)
+    res = align_model(model, texts, dynamics=Dynamics(rule=rule), seed=ctx.seed, spectra=_spectra(name))
     return {"rule": res.rule, "n_tokens": res.n_tokens, **res.to_json()["orders"],
             "orderings_differ": [s.layer for s in res.spectra if s.orderings_differ],
             "layers": len(res.spectra), **attention_kinds(model, texts)}
@@ -87,7 +90,7 @@ def layer_varying_chunks(ctx, name: str):
 
 def section_layer_varying(ctx) -> SectionResult:
     found, missing = available_models(ctx)
-    texts = _prompts(ctx)
+    texts = section_prompts(ctx)
     per_model: Dict[str, dict] = {}
     figs = []
     for name in ctx.progress(found, "5 layer-varying models"):
@@ -96,7 +99,8 @@ def section_layer_varying(ctx) -> SectionResult:
         per_model[name] = entry
         for rule in ("paper", "faithful"):
             e = entry[rule]     # read back from the JSON chunk store
-            measures = {o: StepMeasures.from_rows(e[o]["steps"], e["n_tokens"]) for o in ("shifted", "plain")}
+            measures = {o: StepMeasures.from_rows(e[o]["steps"], e["n_tokens"], e[o].get("per_prompt"))
+                        for o in ("shifted", "plain")}
             kinds = e.get("kinds")
             marks = {"global attention": global_layers(kinds)} if kinds and "local" in kinds else None
             figs.append(plot_measures(measures, ctx.fig(f"s5_{name.replace('/', '_')}_{rule}.png"), over="layers",
@@ -266,7 +270,7 @@ def shared_real_row(model: str, r: dict) -> dict:
     """A row of section 6 from a row of its table: |1+lambda1| (``mu1``), the predicted rate
     |1+lambda2|/|1+lambda1| (``ratio``), and the measured rate of sin(angle to S) = sqrt(1 - gamma_t^2)
     fitted where it lies in (1e-6, 1e-2) (None where too few steps do)."""
-    from .synthetic import _nan, fit_rate
+    from .synthetic import finite_or_none, fit_rate
     gam = np.asarray(r["gamma"], float)
     mu1 = float(np.hypot(1.0 + r["lambda1_re"], r["lambda1_im"]))
     sin = np.sqrt(np.maximum(1 - gam ** 2, 0))
@@ -274,7 +278,7 @@ def shared_real_row(model: str, r: dict) -> dict:
     return {"model": model, "layer": int(r["layer"]), "mu1": mu1, "ratio": r["direction_rate_pred"],
             "complex": bool(r["lambda1_im"] > 1e-9 * (1 + top)),
             "dim": int(r["principal_dim"]), "final_gamma": r["final_gamma"], "final_consensus": r["final_consensus"],
-            "measured_rate": _nan(fit_rate(sin, 1e-6, 1e-2)), "gamma_curve": gam.tolist()}
+            "measured_rate": finite_or_none(fit_rate(sin, 1e-6, 1e-2)), "gamma_curve": gam.tolist()}
 
 
 def section_shared_real(ctx) -> SectionResult:
@@ -338,7 +342,7 @@ def _ffn_chunk(ctx, name: str) -> dict:
     for (key, compute), rule in zip(layer_varying_chunks(ctx, name), RULES_5):
         e = ctx.model_chunk(name, key, compute)
         out[rule] = {"rule": e["rule"], **{k: [row[f] for row in e["shifted"]["steps"][1:]] for k, f in _FFN_FIELDS}}
-    res = align_model(_load(name), _prompts(ctx), rule="full", seed=ctx.seed, spectra=_spectra(name))
+    res = align_model(cached_model(name), section_prompts(ctx), dynamics=Dynamics.full(), seed=ctx.seed, spectra=_spectra(name))
     m = res.measures["shifted"]
     out["full"] = {"rule": res.rule, **{k: _json_floats(getattr(m, f)[1:]) for k, f in _FFN_FIELDS}}
     return out

@@ -32,20 +32,20 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .real_models import DEFAULT_MODELS, _load, _prompts, available_models
+from .real_models import DEFAULT_MODELS, cached_model, section_prompts, available_models
 from .section import SectionResult, Table, verdict_from
 
 WORDS = {"minilm": "king", "smollm2": "Paris", "gemma3": "Paris"}
 TARGET = 0.9
-NEUTRAL = ["The weather was mild and the streets were quiet.",
-           "He read the report twice before he signed it."]
 
 
 def _compute(name: str, ctx) -> dict:
     from ..models import embed
-    from ..steering import minimal_alpha, optimize_steering, output_effects, parse_direction, rank1
-    model = _load(name)
-    texts = _prompts(ctx)
+    from ..steering import (AlignmentObjective, SteeringConfig, minimal_alpha, optimize_steering, output_effects,
+                            parse_direction, rank1)
+    from ..steering.effects import NEUTRAL_SENTENCES
+    model = cached_model(name)
+    texts = section_prompts(ctx)
     x0, valid = embed(model, texts)
     x0, valid = np.asarray(x0), np.asarray(valid)
     direction = parse_direction(f"token:{WORDS[name]}", model=model)
@@ -55,9 +55,10 @@ def _compute(name: str, ctx) -> dict:
     alpha = m.alignment.alpha
     r1 = rank1(layers, u, alpha=alpha, w="value")
     spec = m.principal                     # (a) spectral, computed by minimal_alpha with the same w and cos_tol
-    opt = optimize_steering(layers, x0, u, valid=valid, target=TARGET, reduce="min", param="lowrank", rank=1,
-                            w="value", steps=150 if ctx.quick else 300, seed=ctx.seed, signed=False)
-    neutral = NEUTRAL if model.info.decoder else None
+    opt = optimize_steering(layers, x0, AlignmentObjective(u, target=TARGET, reduce="min", signed=False),
+                            edit="lowrank", valid=valid,
+                            config=SteeringConfig(rank=1, w="value", steps=150 if ctx.quick else 300, seed=ctx.seed))
+    neutral = list(NEUTRAL_SENTENCES[:2]) if model.info.decoder else None
     effects = output_effects(model, u, {"closed": r1.delta_O, "gradient": np.asarray(opt.delta_O[0])}, texts,
                              target_id=direction.token_id, neutral=neutral)
     eff_closed, eff_grad = effects["closed"], effects["gradient"]
@@ -113,7 +114,7 @@ def _measured(e: dict) -> dict:
     the output claim (and the most probable next token of each prompt)."""
     return {"target_prob": e["target_prob"], "min_target_prob": float(min(e["target_prob"])),
             "target_rank": e["target_rank"], "top_token": [row[0]["token"] for row in e["topk"]],
-            "control_kl_mean": e["control_kl_mean"], "beta": e["layer_output_change"],
+            "control_kl_mean": max(0.0, e["control_kl_mean"]), "beta": e["layer_output_change"],   # KL >= 0
             "delta_norm": e["delta_norm"], "reached": reaches(e["target_prob"], e["control_kl_mean"])}
 
 
@@ -124,13 +125,13 @@ def output_claim_numbers(model, prompts: Sequence[str], target_ids: Sequence[int
     The closed form at the paper-rule alpha is exact (one-step relation,
     :func:`~powerlens.steering.alpha.alignment_alpha`, every token at |cos| >= ``alignment_target``);
     the gradient dO (rank 1) and activation addition are each one vmapped
-    ``optimize_steering(objective="token")`` over the K targets (``steps`` Adam steps, None for
+    ``optimize_steering(model, x0, TokenObjective(...))`` over the K targets (``steps`` Adam steps, None for
     its default), whose closed-form start gives the token alpha. Every edit is then measured
     on the model's own forward pass. Returns a JSON-ready dict with one entry per target
     ({method: numbers of :func:`_measured`, or {"found": False}}) and the settings."""
     from ..models import embed
     from ..models.layout import unembedding_matrix
-    from ..steering import optimize_steering, rank1
+    from ..steering import SteeringConfig, TokenObjective, optimize_steering, rank1
     from ..steering.alpha import alignment_alpha, entering_states
     from ..steering.compare import edit_effects
     layers = model.layers
@@ -141,10 +142,10 @@ def output_claim_numbers(model, prompts: Sequence[str], target_ids: Sequence[int
     X, vb = entering_states(layers, x0, valid, rule="paper")
     paper_alpha = [alignment_alpha(layers, X, u, target=alignment_target, valid=vb, w="value", signed=False).alpha
                    for u in U]
-    common = dict(objective="token", valid=valid, target_prob=TARGET_PROB, max_kl=MAX_KL, controls=controls,
-                  steps=steps, seed=seed, w="value")
-    grad = optimize_steering(model, x0, ids, param="lowrank", rank=1, **common)
-    act = optimize_steering(model, x0, ids, param="activation", **common)
+    goal = TokenObjective(ids, target_prob=TARGET_PROB, max_kl=MAX_KL, controls=controls)
+    config = SteeringConfig(rank=1, steps=steps, seed=seed, w="value")
+    grad = optimize_steering(model, x0, goal, edit="lowrank", valid=valid, config=config)
+    act = optimize_steering(model, x0, goal, edit="activation", valid=valid, config=config)
     ray = lambda u, a: rank1(layers, u, alpha=float(a), w="value", spectrum=False).delta_O
     targets = []
     for k, (tid, u) in enumerate(zip(ids, U)):
@@ -226,7 +227,7 @@ def section_verdict(paper: str, output: str) -> str:
 
 def _output_chunk(name: str, ctx) -> dict:
     from ..steering import parse_direction
-    model = _load(name)
+    model = cached_model(name)
     words = OUTPUT_WORDS[:QUICK_TARGETS] if ctx.quick else OUTPUT_WORDS
     ids = [int(parse_direction(f"token:{w}", model=model).token_id) for w in words]
     res = output_claim_numbers(model, OUTPUT_PROMPTS, ids, steps=QUICK_STEPS if ctx.quick else None, seed=ctx.seed)
@@ -362,7 +363,9 @@ def section_steering(ctx) -> SectionResult:
         tables.append(Table(f"Output claim: p(target) ≥ {TARGET_PROB} at every prompt with control KL ≤ {MAX_KL}",
                             ["model", "method", "targets reached", "share", "median β (reached)", "median β (all)",
                              "median worst-prompt p", "median control KL", "median ‖edit‖ (reached)"],
-                            [[name, METHOD_LABELS[m], f"{s['reached']}/{s['targets']}", s["share"],
+                            [[name, METHOD_LABELS[m], f"{s['reached']}/{s['targets']}" + (
+                                f" ({s['targets'] - s['reached']} not reached)" if s["reached"] < s["targets"] else ""),
+                              s["share"],
                               s["median_beta_reached"], s["median_beta"], s["median_min_target_prob"],
                               s["median_control_kl"], s["median_delta_norm_reached"]]
                              for name, by in summaries.items() for m, s in by.items()]))

@@ -100,7 +100,8 @@ def run_section(ctx, name: str, desc: str):
     return spec, run_sweep(spec, ctx.store, progress=ctx.show_progress, desc=desc, prefix=name + "-").table
 
 
-def _nan(v):
+def finite_or_none(v):
+    """``v`` as a float for results.json, or None when it is None, NaN or infinite."""
     return None if v is None or not np.isfinite(v) else float(v)
 
 
@@ -111,8 +112,8 @@ def section_dominant_real(ctx) -> SectionResult:
     spec, df = run_section(ctx, "dominant_real", "1 dominant real")
     d = spec.system["d"]
     rows = [{"lambda1": r.lambda1_re, "lambda2": r.lambda2_re, "pred_consensus_rate": r.consensus_rate_pred,
-             "pred_direction_rate": r.direction_rate_pred, "meas_consensus_rate": _nan(r.consensus_rate),
-             "meas_direction_rate": _nan(r.direction_rate), "final_gamma": r.final_gamma,
+             "pred_direction_rate": r.direction_rate_pred, "meas_consensus_rate": finite_or_none(r.consensus_rate),
+             "meas_direction_rate": finite_or_none(r.direction_rate), "final_gamma": r.final_gamma,
              "consensus": r.consensus if i == 0 else None} for i, r in enumerate(df.itertuples())]
     pc = np.array([r["pred_consensus_rate"] for r in rows])
     mc = np.array([np.nan if r["meas_consensus_rate"] is None else r["meas_consensus_rate"] for r in rows])
@@ -204,7 +205,7 @@ def section_close_eigenvalues(ctx) -> SectionResult:
     gap = [spectrum_gap(s) for s in df["spectrum"]]
     gaps = list(dict.fromkeys(gap))
     rows = [{"gap": g, "pred_slow": r.direction_rate_pred, "pred_fast": r.top2_rate_pred,
-             "meas_slow": _nan(r.direction_rate), "meas_fast": _nan(r.top2_rate),
+             "meas_slow": finite_or_none(r.direction_rate), "meas_fast": finite_or_none(r.top2_rate),
              "tan_v1": r.direction_tan if r.replicate == 0 else None,
              "tan_plane": r.top2_tan if r.replicate == 0 else None} for g, r in zip(gap, df.itertuples())]
     nan = lambda v: np.nan if v is None else v
@@ -237,6 +238,7 @@ def section_close_eigenvalues(ctx) -> SectionResult:
 
 def section_bipartite(ctx) -> SectionResult:
     from ..analysis import plots        # the main process only: workers never load matplotlib
+    from ..analysis.measures import binomial_interval
     _, df = run_section(ctx, "bipartite", "4 bipartite")
     heads_list = sorted(set(df["heads"].tolist()))
     betas = sorted(set(df["beta"].tolist()))
@@ -247,10 +249,16 @@ def section_bipartite(ctx) -> SectionResult:
     frac = {H: np.array([c["fraction_bipartite"] for c in cells if c["heads"] == H]) for H in heads_list}
     res = {H: np.array([c["median_off_line"] for c in cells if c["heads"] == H]) for H in heads_list}
     total = sum(c["systems"] for c in cells)
-    figs = [plots.plot_curve(np.array(betas), {f"{H} head{'s' if H > 1 else ''}": frac[H] for H in heads_list},
+    label = lambda H: f"{H} head{'s' if H > 1 else ''}"
+    # each cell's fraction is k bipartite systems out of N independent ones: its Wilson 95 % interval
+    intervals = {label(H): binomial_interval([round(c["fraction_bipartite"] * c["systems"]) for c in cells
+                                              if c["heads"] == H], [c["systems"] for c in cells if c["heads"] == H])
+                 for H in heads_list}
+    figs = [plots.plot_curve(np.array(betas), {label(H): frac[H] for H in heads_list},
                              ctx.fig("s4_bipartite.png"), xlabel="inverse temperature β",
                              ylabel="fraction still bipartite after 60 steps",
-                             title=f"Near-bipartite starts (±v1 + noise), {total} systems")]
+                             title=f"Near-bipartite starts (±v1 + noise), {total} systems",
+                             intervals=intervals, interval_label="95 % binomial interval", ylim=(0.0, 1.05))]
     one_head = float(frac[1].mean())
     several = float(np.mean([frac[H].mean() for H in heads_list[1:]]))
     checks = {"one head keeps more bipartite starts than several heads": bool(one_head > several),

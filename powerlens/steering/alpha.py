@@ -57,8 +57,10 @@ import numpy as np
 
 from ..dynamics.inputs import check_batch
 from ..dynamics.layer import attention_output
+from ..dynamics.options import Dynamics
 from ..dynamics.params import Layers
-from ..dynamics.run import run_batch
+from ..dynamics.observers import final
+from ..dynamics.run import run, run_batch
 from .directions import as_direction
 from .rank1 import choose_w, host_factors, host_matrices, layer_index, layer_w_choice
 
@@ -258,7 +260,7 @@ def entering_states(layers: Layers, x0: "float[B n d]", valid: "bool[B n] | None
     t = steered_steps(layers, layer)[0]
     if t == 0:
         return X, valid
-    out = run_batch(layers, X, valid, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions,
+    out = run_batch(layers, X, valid, dynamics=Dynamics(rule, attention, keep_bias), positions=positions,
                     schedule=np.asarray(layers.schedule[:t]), observe=("final",))
     return out["final"], valid
 
@@ -409,3 +411,15 @@ def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.9
     return MinimalAlpha(principal, alignment_alpha(layers, X, u, target=target, valid=vb, w=w, layer=layer,
                                                    keep_bias=keep_bias, attention=attention,
                                                    positions=positions, signed=signed))
+
+
+def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rule, attention, keep_bias,
+             positions=None) -> "float[B n d]":
+    """Final tokens after the steps ``tail`` (a static Schedule or tuple of unique-layer indices): the
+    ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
+    the optimiser differentiates through it). Only the layers of the tail are kept; their
+    weights are read in place (no transposed copies inside the differentiated program)."""
+    sub = layers.select(tail)
+    one = lambda x, v: run(sub, x, v, dynamics=Dynamics(rule, attention, keep_bias), positions=positions,
+                           observers={"final": final()})["final"]
+    return jax.vmap(one)(X, valid)

@@ -8,7 +8,8 @@ output of the last step applying l). For each edit, on the model's forward pass 
     target_prob, target_rank     p(target | prompt) and its rank (1 = the most probable) at
                                  each prompt's last valid token
     topk                         the 5 most probable next tokens (text)
-    control_kl_mean              mean over control prompts of KL(p_base || p_edited)
+    control_kl_mean              mean over control prompts of KL(p_base || p_edited), from the
+                                 log-softmax in float64, reported as max(0, KL)
     delta_norm                   ||delta_O||_F or ||v||
     layer_output_change          beta = ||Y' - Y||_F over the valid tokens of all prompts, Y the
                                  output of the edited step: the common scale of the methods
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,18 +49,33 @@ def _edited(model, edit, layer):
     return model, np.asarray(edit["vector"])
 
 
-def _last_probs(model, h, valid):
+def _last_logp(model, h, valid):
+    """(logits "float[B V]", log p "float64[B V]") at each row's last valid token: the logits
+    as the model computes them, the log-softmax on the host in float64 (so that p sums to 1 to
+    float64 rounding and a KL of an unchanged distribution is 0, not -1e-8)."""
     from ..models.forward import logits
     v = np.asarray(valid, bool)
     last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
     lg = logits(model, jnp.asarray(h)[jnp.arange(h.shape[0]), jnp.asarray(last)])
-    return lg, np.asarray(jax.nn.softmax(lg.astype(jnp.float32), axis=-1), np.float64)
+    z = np.asarray(lg.astype(jnp.float32), np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    logp = z - m - np.log(np.sum(np.exp(z - m), axis=-1, keepdims=True))
+    return lg, logp
 
 
-def _kl(p, q) -> np.ndarray:
-    """KL(p || q) per row (float64, 0 log 0 = 0)."""
-    q = np.maximum(q, 1e-300)
-    return np.sum(np.where(p > 0, p * (np.log(np.maximum(p, 1e-300)) - np.log(q)), 0.0), axis=-1)
+def _last_probs(model, h, valid):
+    """(logits, p "float64[B V]") at each row's last valid token (:func:`_last_logp`)."""
+    lg, logp = _last_logp(model, h, valid)
+    return lg, np.exp(logp)
+
+
+def kl_rows(logp, logq) -> np.ndarray:
+    """KL(p || q) per row from log-probabilities "float64[M V]" (0 log 0 = 0), reported as
+    max(0, KL): the exact KL is >= 0, a negative value is rounding."""
+    logp, logq = np.asarray(logp, np.float64), np.asarray(logq, np.float64)
+    p = np.exp(logp)
+    kl = np.sum(np.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+    return np.maximum(kl, 0.0)
 
 
 def _embed(model, texts):
@@ -69,7 +84,7 @@ def _embed(model, texts):
     return jnp.asarray(x0), jnp.asarray(valid)
 
 
-def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, target_id: int, layer: int = -1,
+def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, target_id: Optional[int], layer: int = -1,
                  controls: Optional[Sequence[str]] = None, paraphrases: Optional[Sequence[str]] = None, k: int = 5,
                  continuation_tokens: int = 12) -> dict:
     """The measures of the module docstring for each edit, and for the model itself ("before").
@@ -85,20 +100,21 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
     xp, vp = _embed(model, paraphrases) if paraphrases else (None, None)
     v = np.asarray(valid, bool)
     h0, Y0 = forward_final(model, x0, valid, layer=layer)
-    _, pc0 = _last_probs(model, forward_final(model, xc, vc, layer=layer)[0], vc)
+    _, lpc0 = _last_logp(model, forward_final(model, xc, vc, layer=layer)[0], vc)
     Y0 = np.asarray(Y0, np.float64)
 
     def measure(m, add, name):
         h, Y = forward_final(m, x0, valid, layer=layer, add=add)
         lg, p = _last_probs(m, h, valid)
-        pt = p[:, int(target_id)]
-        out = {"target_prob": pt.tolist(), "target_prob_mean": float(pt.mean()),
-               "target_rank": [int(1 + np.sum(row > row[int(target_id)])) for row in p],
-               "topk": [[{"id": t.id, "token": t.text, "prob": t.prob} for t in row] for row in top_tokens(m, lg, k)]}
-        _, pc = _last_probs(m, forward_final(m, xc, vc, layer=layer, add=add)[0], vc)
-        out["control_kl_mean"] = float(_kl(pc0, pc).mean())
+        out = {"topk": [[{"id": t.id, "token": t.text, "prob": t.prob} for t in row] for row in top_tokens(m, lg, k)]}
+        if target_id is not None:
+            pt = p[:, int(target_id)]
+            out.update({"target_prob": pt.tolist(), "target_prob_mean": float(pt.mean()),
+                        "target_rank": [int(1 + np.sum(row > row[int(target_id)])) for row in p]})
+        _, lpc = _last_logp(m, forward_final(m, xc, vc, layer=layer, add=add)[0], vc)
+        out["control_kl_mean"] = float(kl_rows(lpc0, lpc).mean())
         out["layer_output_change"] = float(np.linalg.norm((np.asarray(Y, np.float64) - Y0)[v]))
-        if xp is not None:
+        if xp is not None and target_id is not None:
             _, pp = _last_probs(m, forward_final(m, xp, vp, layer=layer, add=add)[0], vp)
             out["paraphrases"] = {"prompts": list(paraphrases), "target_prob": pp[:, int(target_id)].tolist(),
                                   "target_prob_mean": float(pp[:, int(target_id)].mean())}
@@ -120,39 +136,59 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
     return res
 
 
-def frontier_point(model, x0, valid, edit, *, target_id: int, layer: int = -1):
-    """(beta, mean target probability) of one edit on prompts x0 (see module docstring)."""
+def frontier_point(model, x0, valid, edit, *, target_id: int, layer: int = -1, with_min: bool = False):
+    """(beta, mean target probability) of one edit on prompts x0 (see module docstring);
+    ``with_min``: also the least target probability over the prompts."""
     _, Y0 = forward_final(model, x0, valid, layer=layer)
     m, add = _edited(model, edit, layer)
     h, Y = forward_final(m, x0, valid, layer=layer, add=add)
     _, p = _last_probs(m, h, valid)
     v = np.asarray(valid, bool)
     beta = float(np.linalg.norm((np.asarray(Y, np.float64) - np.asarray(Y0, np.float64))[v]))
-    return beta, float(p[:, int(target_id)].mean())
+    pt = p[:, int(target_id)]
+    return (beta, float(pt.mean()), float(pt.min())) if with_min else (beta, float(pt.mean()))
 
 
 def plot_frontier(curves: Mapping[str, Sequence], path, *, levels: Optional[Sequence[float]] = None,
                   title: Optional[str] = None):
-    """Target probability against beta, one curve per method (``curves``: name -> [(beta, p)])."""
+    """Target probability against beta, one curve per method. ``curves``: name -> points
+    (beta, p) or (beta, p, reached). A point that did not reach its level (``reached`` False)
+    is left off the axes, which span only the points that did, and listed in a note under
+    them (a failed edit can be orders of magnitude smaller and would stretch the beta axis)."""
     from matplotlib.figure import Figure
     from ..analysis.plots import save_figure
     fig = Figure(figsize=(7.0, 4.4))
     ax = fig.subplots()
+    missed, plotted = [], False
     for i, (name, pts) in enumerate(curves.items()):
-        pts = sorted((b, p) for b, p in pts if np.isfinite(b) and np.isfinite(p))
-        if not pts:
+        pts = [tuple(q) + (True,) * (3 - len(q)) for q in pts]
+        bad = [q for q in pts if not q[2]]
+        if bad:
+            ps = sorted(q[1] for q in bad if np.isfinite(q[1]))
+            missed.append(f"{name}: {len(bad)} of {len(pts)} level(s) not reached"
+                          + (f" (p mean {', '.join(f'{p:.3g}' for p in ps)})" if ps else ""))
+        good = sorted((b, p) for b, p, ok in pts if ok and np.isfinite(b) and np.isfinite(p) and b > 0)
+        if not good:
             continue
-        b, p = zip(*pts)
+        b, p = zip(*good)
         ax.plot(b, p, marker="o", ms=5, lw=1.6, color=f"C{i}", label=name)
+        plotted = True
     for lv in levels or ():
         ax.axhline(lv, color="0.6", ls=":", lw=0.8)
-    ax.set_xscale("log")
+    if plotted:
+        ax.set_xscale("log")
     ax.set_xlabel("β = ‖Δ edited layer output‖_F over the prompts' tokens")
     ax.set_ylabel("p(target | prompt), mean over prompts")
     ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8, loc="best", framealpha=0.85)
+    if plotted:
+        ax.legend(fontsize=8, loc="best", framealpha=0.85)
     ax.grid(alpha=0.3, which="both")
     if title:
         ax.set_title(title, fontsize=11)
-    fig.tight_layout()
+    if missed:
+        fig.text(0.01, 0.01, "left out, target not reached: " + "; ".join(missed), fontsize=7, color="0.25",
+                 ha="left", va="bottom", wrap=True)
+        fig.tight_layout(rect=(0, 0.05 * len(missed), 1, 1))
+    else:
+        fig.tight_layout()
     return save_figure(fig, path)

@@ -40,9 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..dynamics.options import Dynamics
 from ..dynamics.run import run_batch
 from .directions import as_direction
 from .rank1 import layer_index, steer_layers
+
+NEUTRAL_SENTENCES = ("The weather was mild and the streets were quiet.",
+                     "He read the report twice before he signed it.",
+                     "Trains leave the station every twenty minutes.")
+"""Neutral sentences for the perplexity cost of :func:`output_effects` (``neutral=``):
+``powerlens steer`` reads all three, ``powerlens reproduce`` the first two."""
 
 
 def steered_model(model, delta_O, layer: int = -1):
@@ -54,7 +61,8 @@ def _run(layers, schedule, X, valid, rule="full"):
     """The tokens "float[B n d]" after the steps ``schedule`` (a Schedule or tuple of unique layers) from X."""
     if not schedule:
         return X
-    return run_batch(layers, X, valid, rule=rule, schedule=np.asarray(schedule), observe=("final",))["final"]
+    return run_batch(layers, X, valid, dynamics=Dynamics(rule=rule), schedule=np.asarray(schedule),
+                     observe=("final",))["final"]
 
 
 def final_cos(layers, x0, valid, u) -> np.ndarray:

@@ -11,14 +11,21 @@ size shrinks by large factors, so a constant step becomes too large late in the 
 best feasible iterate (every g_j <= tol, smallest N) is kept; the last iterate is checked too.
 
 Everything here is a pure function of traced arrays (jit/vmap over targets by the callers).
+The loop is three pieces (:func:`adam_start`, :func:`adam_steps`, :func:`adam_finish`) so that
+a caller can run its steps in chunks from the host, reporting progress between them
+(:func:`solve_in_chunks`), with the numbers of one scan over all the steps.
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from ..dynamics import execution
+from ..dynamics.execution import map_systems
 
 
 def al_penalty(g, lam, mu: float):
@@ -43,46 +50,140 @@ def _keep_better(better, best, new):
     return jax.tree_util.tree_map(lambda b, q: jnp.where(better, q, b), best, new)
 
 
+def default_optimizer(lr: float, steps: int, lr_floor: float = 0.05) -> optax.GradientTransformation:
+    """Adam with its step size on a cosine decay from ``lr`` to ``lr_floor * lr`` over ``steps``."""
+    return optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=lr_floor))
+
+
+def _objective(size: Callable, constraints: Callable, mu: float) -> Callable:
+    """(params, lam) -> (L, (g, aux, N)): the augmented Lagrangian and what a step records."""
+    def objective(p, lam):
+        N = size(p)
+        g, aux = constraints(p)
+        return N + al_penalty(g, lam, mu), (g, aux, N)
+    return objective
+
+
+def adam_start(constraints: Callable, params, optimizer: optax.GradientTransformation) -> dict:
+    """The loop's state before step 0: ``params``, the optimiser's state ``opt``, multipliers
+    ``lam`` = 0 (the shape of g), ``best`` = (params, inf, g, aux) (no feasible iterate yet) and
+    ``g``, the constraint values of the last step taken (here: of ``params``)."""
+    g0, aux0 = constraints(params)
+    inf = jnp.asarray(jnp.inf, jnp.result_type(aux0))
+    return {"params": params, "opt": optimizer.init(params), "lam": jnp.zeros_like(g0),
+            "best": (params, inf, g0, aux0), "g": g0}
+
+
+def adam_steps(size: Callable, constraints: Callable, state: dict, i0, n: int, *,
+               optimizer: optax.GradientTransformation, mu: float, dual_every: int, tol: float):
+    """Steps i0 .. i0 + n - 1 of the loop (one ``lax.scan`` of static length n; ``i0`` may be
+    traced) from ``state`` (:func:`adam_start` or an earlier call): (state, (aux "float[n]",
+    N "float[n]")). Running the steps in several calls gives the same state as one call: the
+    optimiser's own step count (its schedule) is part of the state."""
+    grad = jax.value_and_grad(_objective(size, constraints, mu), has_aux=True)
+
+    def step(carry, i):
+        p, opt_state, lam, best, _ = carry
+        (_, (g, aux, N)), gr = grad(p, lam)
+        better = jnp.all(g <= tol) & (N < best[1])
+        best = _keep_better(better, best, (p, N, g, aux))
+        upd, opt_state = optimizer.update(gr, opt_state, p)
+        p = optax.apply_updates(p, upd)
+        lam = jnp.where((i + 1) % dual_every == 0, jnp.maximum(0.0, lam + mu * g), lam)
+        return (p, opt_state, lam, best, g), (aux, N)
+
+    carry = (state["params"], state["opt"], state["lam"], state["best"], state["g"])
+    (p, opt_state, lam, best, g), hist = jax.lax.scan(step, carry, i0 + jnp.arange(n))
+    return {"params": p, "opt": opt_state, "lam": lam, "best": best, "g": g}, hist
+
+
+def adam_finish(size: Callable, constraints: Callable, state: dict, *, mu: float, tol: float) -> dict:
+    """The result after the last step: the last iterate is checked too. A dict: ``params`` (best
+    feasible iterate, the initial one when none was), ``size``, ``g``, ``aux`` at it (``size``
+    inf when none was feasible), ``multiplier`` (the final lam)."""
+    _, (g_last, aux_last, N_last) = _objective(size, constraints, mu)(state["params"], state["lam"])
+    best = state["best"]
+    better = jnp.all(g_last <= tol) & (N_last < best[1])
+    best_p, best_N, best_g, best_aux = _keep_better(better, best, (state["params"], N_last, g_last, aux_last))
+    return {"params": best_p, "size": best_N, "g": best_g, "aux": best_aux, "multiplier": state["lam"]}
+
+
 def constrained_adam(size: Callable, constraints: Callable, params, *, steps: int, lr: float, mu: float,
-                     dual_every: int, tol: float, lr_floor: float = 0.05) -> dict:
-    """Minimise ``size(params)`` subject to ``constraints(params) <= 0`` (module docstring).
+                     dual_every: int, tol: float, lr_floor: float = 0.05,
+                     optimizer: Optional[optax.GradientTransformation] = None) -> dict:
+    """Minimise ``size(params)`` subject to ``constraints(params) <= 0`` (module docstring), all
+    ``steps`` in one scan: :func:`adam_start`, :func:`adam_steps`, :func:`adam_finish`.
 
     Args:
       size: params -> N (scalar), the normalised squared size of the edit.
       constraints: params -> (g, aux): g the constraint values (scalar or "float[J]"), aux a
         scalar recorded per step (e.g. the alignment reached).
       params: the initial pytree.
-    Returns a dict: ``params`` (best feasible iterate, the initial one when none was),
-    ``size``, ``g``, ``aux`` at it (``size`` inf when none was feasible), ``multiplier`` (the
-    final lam), ``history_aux``, ``history_size`` ("float[steps]").
+      optimizer: any optax transformation (default :func:`default_optimizer` of lr, steps, lr_floor).
+    Returns :func:`adam_finish`'s dict with ``history_aux``, ``history_size`` ("float[steps]").
     """
-    def objective(p, lam):
-        N = size(p)
-        g, aux = constraints(p)
-        return N + al_penalty(g, lam, mu), (g, aux, N)
+    opt = default_optimizer(lr, steps, lr_floor) if optimizer is None else optimizer
+    state = adam_start(constraints, params, opt)
+    state, (hist_aux, hist_N) = adam_steps(size, constraints, state, 0, steps, optimizer=opt, mu=mu,
+                                           dual_every=dual_every, tol=tol)
+    return {**adam_finish(size, constraints, state, mu=mu, tol=tol), "history_aux": hist_aux, "history_size": hist_N}
 
-    opt = optax.adam(optax.cosine_decay_schedule(lr, steps, alpha=lr_floor))
-    grad = jax.value_and_grad(objective, has_aux=True)
 
-    def step(carry, i):
-        p, state, lam, best = carry
-        (_, (g, aux, N)), gr = grad(p, lam)
-        better = jnp.all(g <= tol) & (N < best[1])
-        best = _keep_better(better, best, (p, N, g, aux))
-        upd, state = opt.update(gr, state, p)
-        p = optax.apply_updates(p, upd)
-        lam = jnp.where((i + 1) % dual_every == 0, jnp.maximum(0.0, lam + mu * g), lam)
-        return (p, state, lam, best), (aux, N)
+# ------------------------------------------------------------------ the host loop
 
-    g0, aux0 = constraints(params)
-    dtype = jnp.result_type(aux0)
-    inf = jnp.asarray(jnp.inf, dtype)
-    lam0 = jnp.zeros_like(g0)
-    best0 = (params, inf, g0, aux0)
-    (p, _, lam, best), (hist_aux, hist_N) = jax.lax.scan(step, (params, opt.init(params), lam0, best0),
-                                                         jnp.arange(steps))
-    _, (g_last, aux_last, N_last) = objective(p, lam)          # the last iterate is checked too
-    better = jnp.all(g_last <= tol) & (N_last < best[1])
-    best_p, best_N, best_g, best_aux = _keep_better(better, best, (p, N_last, g_last, aux_last))
-    return {"params": best_p, "size": best_N, "g": best_g, "aux": best_aux, "multiplier": lam,
-            "history_aux": hist_aux, "history_size": hist_N}
+def map_targets(fn, split: int, shared: tuple, mapped: tuple, static: dict, mesh=None):
+    """``fn(*shared[:split], *one, *shared[split:], **static)`` for every target ``one`` of
+    ``mapped`` (a tuple of arrays with a leading target axis K): one compiled program, the
+    targets split evenly over all devices (:func:`~powerlens.dynamics.execution.map_systems`:
+    K padded to a multiple of the device count, the padding dropped), each device vmapping
+    its share; ``shared`` is given whole to each device. ``mesh``: the devices' mesh (default:
+    all devices)."""
+    return map_systems(_per_target(fn, split, tuple(sorted(static.items()))), mapped, shared=shared,
+                       devices=jax.device_count() if mesh is None else mesh, micro="all", check_vma=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_target(fn, split: int, static_items):
+    """``fn`` for one target, the problem's arrays shared: one function object per setting
+    (map_systems keys its compiled programs by it)."""
+    static = dict(static_items)
+    return lambda shared, *one: fn(*shared[:split], *one, *shared[split:], **static)
+
+
+CHUNK = 25
+"""Adam steps per compiled call of :func:`solve_in_chunks` (progress is reported between calls)."""
+
+
+def solve_in_chunks(phases, shared: tuple, mapped: tuple, static: dict, *, steps: int, report=None,
+                    chunk: int = CHUNK) -> dict:
+    """Run a steering loop of ``steps`` Adam steps for K targets from the host, ``chunk`` steps
+    per compiled call, each call sharded over the devices (:func:`map_targets`).
+
+    ``phases`` = (start, advance, finish), called as ``start(*shared, *one)`` -> (ctx, state),
+    ``advance(*shared, i0, *one, ctx, state, n=n)`` -> (state, (aux "float[n]", size "float[n]"))
+    and ``finish(*shared, *one, ctx, state, aux "float[steps]", size "float[steps]")`` -> the
+    result's dict, each with ``**static`` (``one``: a target's slice of ``mapped``). The state
+    carries everything the loop needs (parameters, the optimiser's state and step count,
+    multipliers, the best iterate), so the numbers do not depend on ``chunk``; the programs
+    have no host callbacks, so they go to the persistent compilation cache.
+
+    ``report``: None, or ``report(i, ctx, state, aux)`` on the host after each call, i the
+    number of steps done and aux "float[K n]" that call's per-step values (it waits for them).
+    """
+    start, advance, finish = phases
+    n_shared = len(shared)
+    mesh = execution.device_mesh(jax.device_count())      # one mesh for every call of the run
+    ctx, state = map_targets(start, n_shared, shared, mapped, static, mesh)
+    hist_aux, hist_size = [], []
+    i = 0
+    while i < steps:
+        n = min(int(chunk), steps - i)
+        state, (aux, size) = map_targets(advance, n_shared + 1, shared + (jnp.asarray(i, jnp.int32),),
+                                         mapped + (ctx, state), {**static, "n": n}, mesh)
+        hist_aux.append(aux)
+        hist_size.append(size)
+        i += n
+        if report is not None:
+            report(i, ctx, state, aux)
+    cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+    return map_targets(finish, n_shared, shared, mapped + (ctx, state, cat(hist_aux), cat(hist_size)), static, mesh)

@@ -32,8 +32,9 @@ form's norm at equal alignment, which the result is compared with. The best feas
 iterate (a >= target - tol, smallest norm) is returned; the closed form itself is
 feasible, so the result is never worse than it (up to ``tol``).
 
-Everything for one direction is a pure function (``solve_one``); ``optimize_steering``
-jit-compiles it over the prompts and vmaps it over K directions at once.
+Everything for one direction is a pure function (``solve_one``), in three phases (start,
+Adam steps, finish); ``optimize_steering`` runs them vmapped over K directions at once, the
+Adam steps in chunks called from the host (:func:`solve_in_chunks`).
 """
 from __future__ import annotations
 
@@ -44,15 +45,16 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from ..dynamics.execution import map_systems
 from ..dynamics.layer import check_rule, default_keep_bias
-from ..dynamics.observers import final
 from ..dynamics.params import Layers
-from ..dynamics.run import run
-from .alpha import check_target, entering_states, steered_steps
+from .alpha import check_target, entering_states, run_tail, steered_steps
 from .directions import as_direction
-from .lagrangian import bisect_increasing, constrained_adam
+from .edits import EDITS, delta_matrix, delta_sq, edit_factors, factor_norm, initial_params
+from .progress import active_progress
+from .lagrangian import (CHUNK, adam_finish, adam_start, adam_steps, bisect_increasing, default_optimizer,
+                         map_targets, solve_in_chunks)
 from .rank1 import W_CHOICES, factor_rank, host_matrices, inverse_map, layer_index, resolve_w
 
 PARAMS = ("w_alpha", "lowrank")
@@ -61,18 +63,6 @@ REDUCTIONS = ("mean", "min")
 
 
 # ------------------------------------------------------------------ pure pieces
-
-def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rule, attention, keep_bias,
-             positions=None) -> "float[B n d]":
-    """Final tokens after the steps ``tail`` (a static Schedule or tuple of unique-layer indices): the
-    ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
-    the optimiser differentiates through it). Only the layers of the tail are kept; their
-    weights are read in place (no transposed copies inside the differentiated program)."""
-    sub = layers.select(tail)
-    one = lambda x, v: run(sub, x, v, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions,
-                           observers={"final": final()})["final"]
-    return jax.vmap(one)(X, valid)
-
 
 def token_cos(Y, u):
     """cos(y_i, u) for every token: (B, n)."""
@@ -92,20 +82,6 @@ def _alignment(layers, delta, X, valid, u, *, layer, tail, rule, attention, keep
     Y = run_tail(steered, X, valid, tail, rule=rule, attention=attention, keep_bias=keep_bias, positions=positions)
     cos = token_cos(Y, u)
     return reduce_alignment(cos if signed else jnp.abs(cos), valid, reduce)
-
-
-def _delta(params, u, n0, param):
-    if param == "w_alpha":
-        return jnp.exp(params["a"]) * jnp.outer(u, params["w"])
-    return n0 * params["P"] @ params["Q"].T
-
-
-def _delta_sq(params, param):
-    """||dO||_F^2 / n0^2 (lowrank) or ||dO||_F^2 / n0^2 with n0 folded in (w_alpha: e^2a ||w||^2)."""
-    if param == "w_alpha":
-        return jnp.exp(2 * params["a"]) * jnp.sum(params["w"] ** 2)
-    P, Q = params["P"], params["Q"]          # trace(P^T P Q^T Q), elementwise (see align_lowrank)
-    return jnp.sum(jnp.sum(P[:, :, None] * P[:, None, :], axis=0) * jnp.sum(Q[:, :, None] * Q[:, None, :], axis=0))
 
 
 def _paper_last_layer(pm, u, valid, reduce, signed, dtype):
@@ -159,49 +135,10 @@ def closed_form_start(ray, target, dtype, bisect_iters: int):
     return log_cf, ray(hi0) >= target
 
 
-def initial_params(param: str, n0, w_hat, u0, rank: int, key, dtype) -> dict:
-    """The closed form as a starting point: {a = log n0, w = w_hat} (``w_alpha``), or P, Q whose
-    first columns are u0 and w_hat and whose others are small noise (``lowrank``, dO = n0 P Q^T)."""
-    if param == "w_alpha":
-        return {"a": jnp.log(n0), "w": w_hat}
-    d, He = u0.shape[0], w_hat.shape[0]
-    k1, k2 = jax.random.split(key)
-    P = 1e-2 * jax.random.normal(k1, (d, rank), dtype) / np.sqrt(d)
-    Q = 1e-2 * jax.random.normal(k2, (He, rank), dtype) / np.sqrt(He)
-    return {"P": P.at[:, 0].set(u0), "Q": Q.at[:, 0].set(w_hat)}
-
-
-def edit_factors(params, u, n0, param: str):
-    """dO = factor_P factor_Q^T of a parameterisation: "(d, r)", "(H e, r)"."""
-    if param == "w_alpha":
-        return (jnp.exp(params["a"]) * u)[:, None], params["w"][:, None]
-    return n0 * params["P"], params["Q"]
-
-
-def factor_norm(fP, fQ):
-    """||fP fQ^T||_F = sqrt(trace(fP^T fP fQ^T fQ)) without forming the product."""
-    return jnp.sqrt(jnp.sum((fP.T @ fP) * (fQ.T @ fQ)))
-
-
-def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Sequence[int],
-              rule: str, attention: str,
-              keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
-              mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
-              lr_floor: float = 0.05, signed: bool = True):
-    """Optimise one direction u (d,) (unit). R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
-
-    ``pm`` (see :func:`last_layer_terms`): when the steered layer is the last step under
-    rule ``paper``, its unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e)
-    (neither depends on W_o), with the bases Bp, Bm of the reduced problem; the final tokens are then N2(y), y = p + dO m, and N2 does not change the
-    angle, so cos(y, u) needs only y.u and ||y||^2. For dO = n0 P Q^T, with a = n0 m Q:
-
-        y.u = p.u + a (P^T u),   ||y||^2 = ||p||^2 + 2 a.(p P) + a (P^T P) a^T
-
-    (dO = e^a u w^T is the same with a = e^a (w.m), P = u). No (n, d) array is formed
-    per direction; with ``lowrank`` P and Q live in the reduced coordinates P = Bp P~,
-    Q = Bm Q~, so a step costs O(n r (k_p + k_m)) with k <= B n + K.
-
-    Returns a dict of arrays (see :class:`SteeringResult`)."""
+def _align_problem(layers, X, valid, u, R, positions, pm, *, layer, tail, rule, attention, keep_bias, reduce,
+                   param, w_kind, signed):
+    """The pieces of one direction's problem (see :func:`solve_one`): (w_cf "(H e,)", ray(log_alpha)
+    -> alignment on the closed-form ray, align_params(params, n0) -> alignment, reduced bases or None)."""
     dtype = X.dtype
     w_cf = R @ u
     if w_kind == "value":
@@ -217,23 +154,66 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
                                   attention=attention, keep_bias=keep_bias, reduce=reduce, positions=positions,
                                   signed=signed)
         ray = lambda log_a: align(jnp.exp(log_a) * jnp.outer(u, w_cf))
-        align_params = lambda prm, n0: align(_delta(prm, u, n0, param))
-    log_cf, cf_feasible = closed_form_start(ray, target, dtype, bisect_iters)
+        align_params = lambda prm, n0: align(delta_matrix(prm, u, n0, param))
+    return w_cf, ray, align_params, reduced
+
+
+def _align_loop(align_params, n0, *, target, param, lr, steps, lr_floor, optimizer=None):
+    """(size, constraints, optimiser) of the Adam loop for the scale n0."""
+    def constraints(p):
+        a = align_params(p, n0)
+        return target - a, a
+
+    size = lambda p: delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
+    opt = default_optimizer(lr, steps, lr_floor) if optimizer is None else optimizer
+    return size, constraints, opt
+
+
+def _problem_kw(st: dict) -> dict:
+    return {k: st[k] for k in ("layer", "tail", "rule", "attention", "keep_bias", "reduce", "param", "w_kind",
+                               "signed")}
+
+
+def _loop_kw(st: dict) -> dict:
+    return {"target": st["target"], "param": st["param"], "lr": st["lr"], "steps": st["steps"],
+            "lr_floor": st.get("lr_floor", 0.05), "optimizer": st.get("optimizer")}
+
+
+def align_start(layers, X, valid, R, positions, pm, u, key, **st):
+    """Phase 1 of :func:`solve_one` for direction u: the closed-form start (bisection along the
+    ray) and the loop's initial state. Returns (ctx, state): ctx the closed form's arrays and
+    the scale n0, state :func:`~.lagrangian.adam_start`'s."""
+    dtype = X.dtype
+    w_cf, ray, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
+    log_cf, cf_feasible = closed_form_start(ray, st["target"], dtype, st.get("bisect_iters", 40))
     alpha_cf = jnp.exp(log_cf)
     wn = jnp.linalg.norm(w_cf)
     n0 = alpha_cf * wn
     cf_align = ray(log_cf)
     w_hat = w_cf / wn
     u0, w0 = (reduced["u_red"], reduced["Bm"].T @ w_hat) if reduced is not None else (u, w_hat)
-    params = initial_params(param, n0, w0, u0, rank, key, dtype)    # same effect on every token
+    params = initial_params(st["param"], n0, w0, u0, st["rank"], key, dtype)    # same effect on every token
+    _, constraints, opt = _align_loop(align_params, n0, **_loop_kw(st))
+    ctx = {"closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
+           "closed_feasible": cf_feasible}
+    return ctx, adam_start(constraints, params, opt)
 
-    def constraints(p):
-        a = align_params(p, n0)
-        return target - a, a
 
-    size = lambda p: _delta_sq(p, param) / (n0 * n0 if param == "w_alpha" else 1.0)
-    sol = constrained_adam(size, constraints, params, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
-                           lr_floor=lr_floor)
+def align_advance(layers, X, valid, R, positions, pm, i0, u, key, ctx, state, *, n: int, **st):
+    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state`` (:func:`~.lagrangian.adam_steps`)."""
+    _, _, align_params, _ = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
+    size, constraints, opt = _align_loop(align_params, ctx["closed_norm"], **_loop_kw(st))
+    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
+                      tol=st["tol"])
+
+
+def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_aux, hist_size, **st):
+    """Phase 3: the best feasible iterate as factors of dO, with the closed form and the histories
+    (a dict of arrays, see :class:`SteeringResult`)."""
+    _, _, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
+    n0 = ctx["closed_norm"]
+    size, constraints, _ = _align_loop(align_params, n0, **_loop_kw(st))
+    sol = adam_finish(size, constraints, state, mu=st["mu"], tol=st["tol"])
     best_p = sol["params"]
     found = jnp.isfinite(sol["size"])
     if reduced is not None:   # lift: P = [Bp0, q_hat] P~ (without forming the per-direction basis)
@@ -241,21 +221,51 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
         best_p = {"P": reduced["Bp0"] @ Pr[:-1] + reduced["q_hat"][:, None] * Pr[-1:], "Q": reduced["Bm"] @ best_p["Q"]}
     # dO = factor_P factor_Q^T, returned as factors: the dense (d, H e) matrix of every
     # direction would dominate the run's memory traffic (SteeringResult.delta_O forms it)
-    fP, fQ = edit_factors(best_p, u, n0, param)
+    fP, fQ = edit_factors(best_p, u, n0, st["param"])
     return {
         "factor_P": jnp.where(found, fP, jnp.nan), "factor_Q": jnp.where(found, fQ, jnp.nan),
         "norm": jnp.where(found, factor_norm(fP, fQ), jnp.nan),
         "alignment": jnp.where(found, sol["aux"], jnp.nan),
-        "feasible": found,
-        "closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
-        "closed_feasible": cf_feasible,
+        "feasible": found, **ctx,
         "multiplier": sol["multiplier"],
-        "history_alignment": sol["history_aux"], "history_norm": jnp.sqrt(sol["history_size"]) * n0,
+        "history_alignment": hist_aux, "history_norm": jnp.sqrt(hist_size) * n0,
     }
 
 
+def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Sequence[int],
+              rule: str, attention: str,
+              keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
+              mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
+              lr_floor: float = 0.05, signed: bool = True, optimizer=None):
+    """Optimise one direction u (d,) (unit), all the steps in one program. R: pinv(V^T) (H e, d)
+    for w_kind 'inverse', else V (H e, d). ``optimizer``: an optax transformation (default
+    :func:`~.lagrangian.default_optimizer` of lr, steps, lr_floor).
+
+    ``pm`` (see :func:`last_layer_terms`): when the steered layer is the last step under
+    rule ``paper``, its unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e)
+    (neither depends on W_o), with the bases Bp, Bm of the reduced problem; the final tokens are then N2(y), y = p + dO m, and N2 does not change the
+    angle, so cos(y, u) needs only y.u and ||y||^2. For dO = n0 P Q^T, with a = n0 m Q:
+
+        y.u = p.u + a (P^T u),   ||y||^2 = ||p||^2 + 2 a.(p P) + a (P^T P) a^T
+
+    (dO = e^a u w^T is the same with a = e^a (w.m), P = u). No (n, d) array is formed
+    per direction; with ``lowrank`` P and Q live in the reduced coordinates P = Bp P~,
+    Q = Bm Q~, so a step costs O(n r (k_p + k_m)) with k <= B n + K.
+
+    The three phases (:func:`align_start`, :func:`align_advance`, :func:`align_finish`) are
+    what :func:`solve_in_chunks` runs from the host, the steps in chunks. Returns a dict of
+    arrays (see :class:`SteeringResult`)."""
+    st = dict(layer=layer, tail=tail, rule=rule, attention=attention, keep_bias=keep_bias, target=target,
+              reduce=reduce, param=param, rank=rank, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
+              w_kind=w_kind, bisect_iters=bisect_iters, lr_floor=lr_floor, signed=signed, optimizer=optimizer)
+    shared = (layers, X, valid, R, positions, pm)
+    ctx, state = align_start(*shared, u, key, **st)
+    state, (hist_aux, hist_size) = align_advance(*shared, 0, u, key, ctx, state, n=steps, **st)
+    return align_finish(*shared, u, key, ctx, state, hist_aux, hist_size, **st)
+
+
 _STATIC = ("layer", "tail", "rule", "attention", "keep_bias", "target", "reduce", "param", "rank", "steps",
-           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters", "signed")
+           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters", "signed", "optimizer")
 solve_one_jit = jax.jit(solve_one, static_argnames=_STATIC)
 
 
@@ -272,24 +282,6 @@ def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, **
     over all devices (:func:`~powerlens.dynamics.execution.map_systems`: K padded to a multiple
     of the device count, the padding dropped), everything else given whole to each device."""
     return map_targets(solve_one, 3, (layers, X, valid, R, positions, pm), (U, keys), static)
-
-
-def map_targets(fn, split: int, shared: tuple, mapped: tuple, static: dict):
-    """``fn(*shared[:split], *one, *shared[split:], **static)`` for every target ``one`` of
-    ``mapped`` (a tuple of arrays with a leading target axis K): one compiled program, the
-    targets split evenly over all devices (:func:`~powerlens.dynamics.execution.map_systems`:
-    K padded to a multiple of the device count, the padding dropped), each device vmapping
-    its share; ``shared`` is given whole to each device."""
-    return map_systems(_per_target(fn, split, tuple(sorted(static.items()))), mapped, shared=shared,
-                       devices=jax.device_count(), micro="all", check_vma=False)
-
-
-@functools.lru_cache(maxsize=32)
-def _per_target(fn, split: int, static_items):
-    """``fn`` for one target, the problem's arrays shared: one function object per setting
-    (map_systems keys its compiled programs by it)."""
-    static = dict(static_items)
-    return lambda shared, *one: fn(*shared[:split], *one, *shared[split:], **static)
 
 
 # ------------------------------------------------------------------ public API
@@ -389,15 +381,152 @@ def prepare_problem(layers: Layers, x0, valid=None, *, layer: int = -1, rule: st
     return X, vb, layers.schedule[t0:], l, kb
 
 
-def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignment", valid=None,
+@dataclasses.dataclass(frozen=True, eq=False)
+class AlignmentObjective:
+    """The paper's claim as a constraint: reduce over valid final tokens of cos(y_i, u) (or the
+    sign-free |cos(y_i, u)| when ``signed`` is False) >= ``target``, under the run's rule.
+
+    direction: u "float[d]" or K directions "float[K d]" (each normalised; zero or non-finite:
+    an error when the problem is built); target in (0, 1); reduce ``mean`` or ``min``."""
+
+    direction: object
+    target: float = 0.99
+    reduce: str = "mean"
+    signed: bool = True
+
+    def __post_init__(self):
+        try:
+            D = np.asarray(self.direction, np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"AlignmentObjective.direction must be a vector (d,) or (K, d) of numbers, "
+                             f"got {self.direction!r}") from None
+        if D.ndim not in (1, 2) or D.size == 0:
+            raise ValueError(f"AlignmentObjective.direction must have shape (d,) or (K, d), got {D.shape}")
+        object.__setattr__(self, "direction", D)
+        object.__setattr__(self, "target", check_target(self.target, "AlignmentObjective.target"))
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"AlignmentObjective.reduce must be one of {REDUCTIONS}, got {self.reduce!r}")
+        if not isinstance(self.signed, (bool, np.bool_)):
+            raise ValueError(f"AlignmentObjective.signed must be True or False, got {self.signed!r}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenObjective:
+    """The model's own next token (:mod:`powerlens.steering.token`): p(t | prompt) >=
+    ``target_prob`` at every prompt's last valid token and mean KL(p_base || p_edited) <=
+    ``max_kl`` over ``controls`` (texts or token-id lists; None: the neutral defaults), under
+    rule ``full``. token_ids: one id or K ids; target_prob: one level in (0, 1) or one per id."""
+
+    token_ids: object
+    target_prob: object = 0.5
+    max_kl: float = 0.5
+    controls: Optional[Sequence] = None
+
+    def __post_init__(self):
+        ids = np.atleast_1d(np.asarray(self.token_ids))
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0:
+            raise ValueError(f"TokenObjective.token_ids must be a token id or a list of token ids (>= 0), "
+                             f"got {self.token_ids!r}")
+        levels = np.asarray(self.target_prob, np.float64) if np.ndim(self.target_prob) or \
+            isinstance(self.target_prob, (int, float, np.number)) else None
+        if levels is None or levels.ndim > 1 or not np.all(np.isfinite(levels)) or np.any(levels <= 0) \
+                or np.any(levels >= 1) or (levels.ndim == 1 and levels.size not in (1, ids.size)):
+            raise ValueError(f"TokenObjective.target_prob must be a number strictly between 0 and 1, or one per "
+                             f"token id ({ids.size}), got {self.target_prob!r}")
+        kl = self.max_kl
+        if isinstance(kl, bool) or not isinstance(kl, (int, float, np.number)) or not np.isfinite(kl) or kl <= 0:
+            raise ValueError(f"TokenObjective.max_kl must be a finite number > 0, got {kl!r}")
+        object.__setattr__(self, "token_ids", ids)
+        object.__setattr__(self, "max_kl", float(kl))
+
+
+@dataclasses.dataclass(frozen=True)
+class SteeringConfig:
+    """How the optimiser runs (the same for every objective unless said). None means the
+    objective's default: steps 300; lr 1e-2 (alignment) or 3e-3 (token); mu 100 or 10; tol 1e-4
+    on the alignment or 0 (token). rank: r of a ``lowrank`` edit; w: the closed-form start's w
+    (``auto``, ``inverse``, ``value``); layer: the edited unique layer; seed: the initial noise;
+    rule, attention, keep_bias: the run (alignment only: the token objective runs rule ``full``);
+    vectorize: one vmapped program over the targets, or a loop (benchmarks)."""
+
+    steps: Optional[int] = None
+    lr: Optional[float] = None
+    mu: Optional[float] = None
+    dual_every: int = 10
+    tol: Optional[float] = None
+    rank: int = 1
+    w: str = "auto"
+    layer: int = -1
+    seed: int = 0
+    rule: str = "paper"
+    attention: str = "softmax"
+    keep_bias: Optional[bool] = None
+    vectorize: bool = True
+
+
+def optimize_steering(model_or_layers, x0, objective=None, /, *, edit: str = "lowrank", optimizer=None,
+                      config: Optional[SteeringConfig] = None, valid=None, positions=None, progress: bool = False,
+                      **legacy):
+    """Minimise the size of an edit of one layer subject to a steering ``objective``, for K targets.
+
+    ``objective``: an :class:`AlignmentObjective` (min ||dO||_F subject to the final-token
+    alignment, the paper's claim; K directions) or a :class:`TokenObjective` (min ||edit|| subject
+    to p(token) and a control-KL bound; K token ids; needs a loaded decoder). ``edit``: the
+    parametrisation (:mod:`~.edits`): ``lowrank`` (dO of rank ``config.rank``), ``w_alpha`` (the
+    closed-form ray), ``activation`` (activation addition; token objective only). ``optimizer``:
+    any ``optax.GradientTransformation`` (default :func:`~.lagrangian.default_optimizer`: Adam
+    on a cosine decay from lr to 0.05 lr over the steps). ``config``: :class:`SteeringConfig`.
+    ``progress``: report to the active :class:`~.progress.SteerProgress` (same numbers).
+    Returns a :class:`SteeringResult` or a :class:`~.token.TokenSteeringResult`.
+
+    The older keyword form ``optimize_steering(model, x0, targets, objective="token", target=...,
+    param=..., steps=..., ...)`` still works and warns (DeprecationWarning)."""
+    if not isinstance(objective, (AlignmentObjective, TokenObjective)):
+        import warnings
+        warnings.warn("optimize_steering(model, x0, targets, objective=..., target=..., param=..., steps=...) is "
+                      "deprecated: pass an AlignmentObjective or TokenObjective, edit=, optimizer= and "
+                      "config=SteeringConfig(...)", DeprecationWarning, stacklevel=2)
+        if objective is None and "targets" not in legacy:
+            raise TypeError("optimize_steering() needs an objective (AlignmentObjective or TokenObjective)")
+        targets = legacy.pop("targets") if objective is None else objective
+        if edit != "lowrank":
+            legacy.setdefault("param", edit)
+        if config is not None:
+            raise TypeError("optimize_steering(): config= goes with an objective value, not with targets")
+        return _optimize_keywords(model_or_layers, x0, targets, valid=valid, positions=positions, progress=progress,
+                                  optimizer=optimizer, **legacy)
+    if legacy:
+        raise TypeError(f"optimize_steering() got unexpected keyword(s) {sorted(legacy)}: with an objective value "
+                        f"they go in SteeringConfig or the objective")
+    cfg = SteeringConfig() if config is None else config
+    if not isinstance(cfg, SteeringConfig):
+        raise TypeError(f"config must be a SteeringConfig, got {type(cfg).__name__}")
+    if not isinstance(edit, str) or edit not in EDITS:
+        raise ValueError(f"unknown edit {edit!r}; expected one of {EDITS}")
+    if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+    common = dict(valid=valid, param=edit, rank=cfg.rank, steps=cfg.steps, lr=cfg.lr, mu=cfg.mu,
+                  dual_every=cfg.dual_every, tol=cfg.tol, w=cfg.w, layer=cfg.layer, seed=cfg.seed,
+                  progress=progress, optimizer=optimizer)
+    if isinstance(objective, TokenObjective):
+        return _optimize_keywords(model_or_layers, x0, objective.token_ids, objective="token",
+                                  target_prob=objective.target_prob, max_kl=objective.max_kl,
+                                  controls=objective.controls, **common)
+    return _optimize_keywords(model_or_layers, x0, objective.direction, target=objective.target,
+                              reduce=objective.reduce, signed=objective.signed, rule=cfg.rule,
+                              attention=cfg.attention, keep_bias=cfg.keep_bias, positions=positions,
+                              vectorize=cfg.vectorize, **common)
+
+
+def _optimize_keywords(model_or_layers, x0, targets, *, objective: str = "alignment", valid=None,
                       target: float = 0.99, reduce: str = "mean", param: str = "lowrank", rank: int = 1,
                       steps: Optional[int] = None, lr: Optional[float] = None, mu: Optional[float] = None,
                       dual_every: int = 10, tol: Optional[float] = None, w: str = "auto", layer: int = -1,
                       rule: str = "paper",
                       attention: str = "softmax", keep_bias: Optional[bool] = None, positions=None, seed: int = 0,
                       vectorize: bool = True, signed: bool = True, target_prob=0.5, max_kl: float = 0.5,
-                      controls=None):
-    """Minimise the size of an edit of one layer subject to a steering objective, for K targets.
+                      controls=None, progress: bool = False, optimizer=None):
+    """:func:`optimize_steering` in its keyword form (one keyword per setting).
 
     ``objective="alignment"`` (the paper's claim): min ||delta_O||_F subject to the final-token
     alignment >= ``target`` under ``rule`` (module docstring); ``targets`` are directions.
@@ -429,6 +558,9 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
       target_prob, max_kl, controls: the token objective's levels (one level or one per
         target) and control prompts (texts or token-id lists; default
         :data:`~.token.CONTROL_PROMPTS`).
+      progress: report the steps to the active :class:`~.progress.SteerProgress` (the loop
+        runs in chunks of :data:`CHUNK` steps whether or not it reports, so the numbers are the
+        same; ``vectorize=False`` reports nothing).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")
@@ -438,7 +570,7 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
                               target_prob=target_prob, max_kl=max_kl, controls=controls,
                               steps=300 if steps is None else steps, lr=3e-3 if lr is None else lr,
                               mu=10.0 if mu is None else mu, dual_every=dual_every, tol=0.0 if tol is None else tol,
-                              w=w, seed=seed)
+                              w=w, seed=seed, progress=progress, optimizer=optimizer)
     layers = getattr(model_or_layers, "layers", model_or_layers)
     directions = targets
     tol = 1e-4 if tol is None else tol
@@ -476,12 +608,19 @@ def optimize_steering(model_or_layers, x0, targets, *, objective: str = "alignme
     keys = jax.random.split(jax.random.PRNGKey(seed), len(D))
     kw = dict(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target, reduce=reduce,
               param=param, rank=int(rank), steps=int(steps), lr=float(lr), mu=float(mu),
-              dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed))
+              dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed), optimizer=optimizer)
     pm = None
     if rule == "paper" and tail == (l,):
         pm = last_layer_terms(layers, X, vb, l, kb, attention, positions)
     if vectorize:
-        out = solve_many_sharded(layers, X, vb, U, keys, R, positions, pm, **kw)
+        report = None
+        sink = active_progress() if progress else None
+        if sink is not None:
+            def report(i, ctx, state, aux):
+                for v in np.asarray(aux[:, -1], np.float64):
+                    sink.step(i - 1, float(v), float("nan"), float(target))
+        out = solve_in_chunks((align_start, align_advance, align_finish), (layers, X, vb, R, positions, pm),
+                              (U, keys), kw, steps=int(steps), report=report)
     else:
         outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, pm, **kw) for i in range(len(D))]
         out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)

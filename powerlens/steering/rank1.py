@@ -73,10 +73,11 @@ def check_alpha(alpha) -> float:
 
 def host_matrices(layers: Layers, layer: int):
     """W_o (d, H e), V_cat (H e, d) and F = W_o V_cat of unique layer ``layer`` in float64."""
+    from ..dynamics.execution import host_array       # weights split over other hosts' devices: gathered
     l = layer_index(layers, layer)
     one = layers.layer(l)
-    W_o = np.asarray(one.W_o, np.float64)
-    V = np.asarray(value_matrix(one), np.float64)
+    W_o = np.asarray(host_array(one.W_o), np.float64)
+    V = np.asarray(host_array(value_matrix(one)), np.float64)
     return W_o, V, W_o @ V
 
 
@@ -84,8 +85,9 @@ def host_factors(layers: Layers, layer: int, W_o: np.ndarray):
     """(A "[d r]", B "[r d]") of :func:`~powerlens.dynamics.params.layer_factors` for unique layer
     ``layer`` in float64, with its output matrix replaced by ``W_o`` "[d H e]" (the layer's
     own from :func:`host_matrices`, or a steered one): F = W_o V_cat = A B."""
+    from ..dynamics.execution import host_array
     one = layers.layer(layer_index(layers, layer))
-    return layer_factors(one.replace(W_o=np.asarray(W_o, np.float64), W_v=np.asarray(one.W_v, np.float64)))
+    return layer_factors(one.replace(W_o=np.asarray(W_o, np.float64), W_v=np.asarray(host_array(one.W_v), np.float64)))
 
 
 def rank_tolerance(sv: np.ndarray, shape, dtype=np.float64) -> float:

@@ -26,8 +26,8 @@ that step's entering state and head mix at the last tokens, so that a step of th
 the edit (W_o + n0 P Q^T) m applied as (m Q)(n0 P)^T, the block's MLP, the final norm and
 the head at B + C tokens. The scores go through one logsumexp (:func:`token_constraints`),
 in the states' precision (float64 under ``jax_enable_x64`` with a float64 model). The K
-targets are one compiled, vmapped program, sharded over the devices
-(:func:`~.optimize.map_targets`).
+targets run as compiled, vmapped programs sharded over the devices, the Adam steps in chunks
+called from the host (:func:`~.lagrangian.solve_in_chunks`, progress reported between chunks).
 
 Start: the closed-form ray, dO = alpha u w_cf^T (w_cf of :func:`~.rank1.resolve_w`) or
 v = alpha u for activation addition. The target probability need not increase along it, so
@@ -52,11 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dynamics.layer import full_attention_input, full_block
+from ..dynamics.options import Dynamics
 from ..dynamics.run import inert_padding, run_batch
 from ..models.forward import logits as model_logits
-from .alpha import head_mix
-from .lagrangian import bisect_increasing, constrained_adam
-from .optimize import _delta_sq, edit_factors, factor_norm, initial_params, map_targets, run_tail
+from .alpha import head_mix, run_tail
+from .lagrangian import (adam_finish, adam_start, adam_steps, bisect_increasing, constrained_adam,
+                         default_optimizer, solve_in_chunks)
+from .edits import edit_of, edit_size, factor_norm, initial_params, learned, scaled
+from .progress import active_progress
 from .rank1 import factor_rank, host_matrices, inverse_map, layer_index, resolve_w
 
 TOKEN_PARAMS = ("lowrank", "w_alpha", "activation")
@@ -180,35 +183,6 @@ def token_constraints(z: "float[M V]", target_id, log_target, base_logp, max_kl:
     return jnp.concatenate([log_target - lp_t, (kl - max_kl)[None]]), lp_t, kl
 
 
-def edit_of(params, u, n0, param: str):
-    """The edit of a parameterisation: the factors (fP, fQ) of dO, or the vector v (activation)."""
-    if param == "activation":
-        return n0 * params["s"]
-    return edit_factors(params, u, n0, param)
-
-
-def learned(params, param: str):
-    """The parameters as the optimiser sees them. ``w_alpha`` is the closed-form ray itself:
-    no gradient reaches w (so Adam's update of it is exactly 0 and it stays the closed form's
-    unit w_cf) and only the scale e^a is learned, so the paper's edit is one point of the
-    family the optimiser searches."""
-    if param == "w_alpha":
-        return {"a": params["a"], "w": jax.lax.stop_gradient(params["w"])}
-    return params
-
-
-def _size(params, n0, param: str):
-    """||E||^2 / n0^2."""
-    if param == "activation":
-        return jnp.sum(params["s"] ** 2)
-    return _delta_sq(params, param) / (n0 * n0 if param == "w_alpha" else 1.0)
-
-
-def scaled(edit, s):
-    """The edit s E: (s fP, fQ) for a factored dO, s v for a vector."""
-    return (s * edit[0], edit[1]) if isinstance(edit, tuple) else s * edit
-
-
 def boundary_scale(score, edit, *, tol: float, iters: int, dtype):
     """The smallest s in (0, 1] (to 2^-iters) at which s E still meets every constraint, E a
     feasible edit: bisection on s with s = 1 feasible kept as the upper end.
@@ -249,12 +223,12 @@ def _scores(model, pre, valid, last, base_logp, target_id, log_target, edit, *, 
     return token_constraints(model_logits(model, h), target_id, log_target, base_logp, max_kl, n_prompts)
 
 
-def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params0, n0, *, layer: int, tail: tuple,
-               n_prompts: int, param: str, max_kl: float, steps: int, lr: float, mu: float, dual_every: int,
-               tol: float, lr_floor: float = 0.05) -> dict:
-    """The Adam loop of one target from ``params0`` with scale n0:
-    :func:`~.lagrangian.constrained_adam` over :func:`token_constraints` (aux: min_b log p(t | b)).
-    Returns constrained_adam's dict."""
+def _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, *, layer: int, tail: tuple,
+                n_prompts: int, param: str, max_kl: float, steps: int, lr: float, lr_floor: float = 0.05,
+                optimizer=None, **_):
+    """(score, size, constraints, optimiser) of one target's Adam loop with scale n0: score(edit)
+    = :func:`token_constraints` of an edit, size = ||E||^2 / n0^2, constraints(params) = (g,
+    min_b log p(t | b))."""
     score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=layer,
                               param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
 
@@ -262,32 +236,42 @@ def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, par
         g, lp_t, _ = score(edit_of(learned(p, param), u, n0, param))
         return g, jnp.min(lp_t)
 
-    return constrained_adam(lambda p: _size(learned(p, param), n0, param), constraints, params0, steps=steps, lr=lr, mu=mu,
-                            dual_every=dual_every, tol=tol, lr_floor=lr_floor)
+    opt = default_optimizer(lr, steps, lr_floor) if optimizer is None else optimizer
+    return score, (lambda p: edit_size(learned(p, param), n0, param)), constraints, opt
 
 
-def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *, layer: int, tail: tuple,
-                    n_prompts: int, param: str, rank: int, max_kl: float, steps: int, lr: float, mu: float,
-                    dual_every: int, tol: float, w_kind: str, bisect_iters: int = 30, lr_floor: float = 0.05):
-    """One target (module docstring): u (d,) unit, target_id, log_target = log(target_prob).
-    ``pre``: :func:`prepare_states`; ``tail``: :func:`edit_dependent_steps`. R: pinv(V^T)
-    (H e, d) for w_kind 'inverse', else V (H e, d). Returns a dict of arrays (see
-    :class:`TokenSteeringResult`)."""
+def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params0, n0, *, layer: int, tail: tuple,
+               n_prompts: int, param: str, max_kl: float, steps: int, lr: float, mu: float, dual_every: int,
+               tol: float, lr_floor: float = 0.05, optimizer=None) -> dict:
+    """The Adam loop of one target from ``params0`` with scale n0, all steps in one scan:
+    :func:`~.lagrangian.constrained_adam` over :func:`token_constraints` (aux: min_b log p(t | b)).
+    Returns constrained_adam's dict."""
+    _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0,
+                                            layer=layer, tail=tail, n_prompts=n_prompts, param=param, max_kl=max_kl,
+                                            steps=steps, lr=lr, lr_floor=lr_floor, optimizer=optimizer)
+    return constrained_adam(size, constraints, params0, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
+                            lr_floor=lr_floor, optimizer=opt)
+
+
+def token_start(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, **st):
+    """Phase 1 of :func:`solve_token_one`: the closed-form start along the ray (module
+    docstring) and the loop's initial state. Returns (ctx, state): ctx the closed form's
+    arrays and the scale n0 (``closed_norm``), state :func:`~.lagrangian.adam_start`'s."""
     X = pre["X"]
     dtype = X.dtype
-    score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=layer,
-                              param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
+    param, layer = st["param"], st["layer"]
+    score, _, _, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, None, **st)
     if param == "activation":
         w_hat, wn = None, jnp.asarray(1.0, dtype)
         ray_edit = lambda log_a: jnp.exp(log_a) * u
     else:
         w_cf = R @ u
-        w_cf = w_cf / jnp.linalg.norm(w_cf) if w_kind == "value" else w_cf
+        w_cf = w_cf / jnp.linalg.norm(w_cf) if st["w_kind"] == "value" else w_cf
         wn = jnp.linalg.norm(w_cf)
         w_hat = w_cf / wn
         ray_edit = lambda log_a: ((jnp.exp(log_a) * u)[:, None], w_cf[:, None])
     min_logp = lambda log_a: jnp.min(score(ray_edit(log_a))[1])
-    log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, bisect_iters)
+    log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, st.get("bisect_iters", 30))
     alpha_cf = jnp.exp(log_cf)
     _, cf_lp, cf_kl = score(ray_edit(log_cf))
     # where the ray never gets there its best point may be a vanishing edit: the edit's scale
@@ -295,13 +279,36 @@ def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_tar
     floor = 0.1 * (jnp.sqrt(jnp.mean(jnp.sum(X * X, -1))) if param == "activation"
                    else jnp.linalg.norm(model.layers.W_o[layer]))
     n0 = jnp.where(cf_feasible, alpha_cf * wn, jnp.maximum(alpha_cf * wn, floor))
-    params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, rank, key, dtype)
-    sol = token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params, n0, layer=layer, tail=tail,
-                     n_prompts=n_prompts, param=param, max_kl=max_kl, steps=steps, lr=lr, mu=mu,
-                     dual_every=dual_every, tol=tol, lr_floor=lr_floor)
+    params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, st["rank"], key, dtype)
+    _, _, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, **st)
+    ctx = {"closed_alpha": alpha_cf, "closed_norm": n0, "closed_target_prob": jnp.exp(cf_lp),
+           "closed_control_kl": cf_kl, "closed_feasible": cf_feasible}
+    return ctx, adam_start(constraints, params, opt)
+
+
+def token_advance(model, pre, valid, last, base_logp, R, i0, u, target_id, log_target, key, ctx, state, *, n: int,
+                  **st):
+    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state`` (:func:`~.lagrangian.adam_steps`)."""
+    _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target,
+                                            ctx["closed_norm"], **st)
+    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
+                      tol=st["tol"])
+
+
+def token_finish(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, ctx, state, hist_aux,
+                 hist_size, **st):
+    """Phase 3: the best feasible iterate moved to the boundary (:func:`boundary_scale`) and
+    measured, with the closed form and the histories (a dict of arrays, see
+    :class:`TokenSteeringResult`)."""
+    dtype = pre["X"].dtype
+    param, tol = st["param"], st["tol"]
+    n0 = ctx["closed_norm"]
+    score, size, constraints, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, **st)
+    sol = adam_finish(size, constraints, state, mu=st["mu"], tol=tol)
     found = jnp.isfinite(sol["size"])
     best = edit_of(sol["params"], u, n0, param)
-    shrink = jnp.where(found, boundary_scale(score, best, tol=tol, iters=bisect_iters, dtype=dtype), 1.0)
+    shrink = jnp.where(found, boundary_scale(score, best, tol=tol, iters=st.get("bisect_iters", 30), dtype=dtype),
+                       1.0)
     edit = scaled(best, shrink)
     _, lp_t, kl = score(edit)
     nan = lambda a: jnp.where(found, a, jnp.nan)
@@ -311,17 +318,52 @@ def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_tar
         fP, fQ = edit
         norm = factor_norm(fP, fQ)
     return {"factor_P": nan(fP), "factor_Q": nan(fQ), "norm": nan(norm), "target_prob": nan(jnp.exp(lp_t)),
-            "control_kl": nan(kl), "feasible": found, "shrink": nan(shrink),
-            "closed_alpha": alpha_cf, "closed_norm": n0, "closed_target_prob": jnp.exp(cf_lp),
-            "closed_control_kl": cf_kl, "closed_feasible": cf_feasible, "multiplier": sol["multiplier"],
-            "history_min_target_prob": jnp.exp(sol["history_aux"]), "history_norm": jnp.sqrt(sol["history_size"]) * n0}
+            "control_kl": nan(kl), "feasible": found, "shrink": nan(shrink), **ctx,
+            "multiplier": sol["multiplier"],
+            "history_min_target_prob": jnp.exp(hist_aux), "history_norm": jnp.sqrt(hist_size) * n0}
 
 
-def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_targets, keys, **static):
+TOKEN_PHASES = (token_start, token_advance, token_finish)
+
+
+def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *, layer: int, tail: tuple,
+                    n_prompts: int, param: str, rank: int, max_kl: float, steps: int, lr: float, mu: float,
+                    dual_every: int, tol: float, w_kind: str, bisect_iters: int = 30, lr_floor: float = 0.05,
+                    optimizer=None):
+    """One target (module docstring), all the steps in one program: u (d,) unit, target_id,
+    log_target = log(target_prob). ``pre``: :func:`prepare_states`; ``tail``:
+    :func:`edit_dependent_steps`. R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
+    The phases :data:`TOKEN_PHASES` are what :func:`~.lagrangian.solve_in_chunks` runs from the
+    host. Returns a dict of arrays (see :class:`TokenSteeringResult`)."""
+    st = dict(layer=layer, tail=tail, n_prompts=n_prompts, param=param, rank=rank, max_kl=max_kl, steps=steps,
+              lr=lr, mu=mu, dual_every=dual_every, tol=tol, w_kind=w_kind, bisect_iters=bisect_iters,
+              lr_floor=lr_floor, optimizer=optimizer)
+    shared = (model, pre, valid, last, base_logp, R)
+    one = (u, target_id, log_target, key)
+    ctx, state = token_start(*shared, *one, **st)
+    state, (hist_aux, hist_size) = token_advance(*shared, 0, *one, ctx, state, n=steps, **st)
+    return token_finish(*shared, *one, ctx, state, hist_aux, hist_size, **st)
+
+
+def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_targets, keys, progress: bool = False,
+                     **static):
     """:func:`solve_token_one` for K targets (U (K, d), ids (K,), log targets (K,), keys (K, 2)):
-    one compiled, vmapped program, the targets sharded over the devices (:func:`~.optimize.map_targets`)."""
-    return map_targets(solve_token_one, 6, (model, pre, valid, last, base_logp, R),
-                       (U, target_ids, log_targets, keys), static)
+    compiled, vmapped programs run in chunks of steps from the host, the targets sharded over
+    the devices (:func:`~.lagrangian.solve_in_chunks`). ``progress``: report the steps, p(target)
+    and the control KL to the active :class:`~.progress.SteerProgress`."""
+    report = None
+    sink = active_progress() if progress else None
+    if sink is not None:
+        levels = np.exp(np.asarray(log_targets, np.float64))
+        max_kl = float(static["max_kl"])
+
+        def report(i, ctx, state, aux):
+            p = np.exp(np.asarray(aux[:, -1], np.float64))
+            kl = np.asarray(state["g"][:, -1], np.float64) + max_kl
+            for k in range(len(levels)):
+                sink.step(i - 1, float(p[k]), float(kl[k]), float(levels[k]))
+    return solve_in_chunks(TOKEN_PHASES, (model, pre, valid, last, base_logp, R), (U, target_ids, log_targets, keys),
+                           static, steps=int(static["steps"]), report=report)
 
 
 # ------------------------------------------------------------------ public API
@@ -384,14 +426,17 @@ class TokenSteeringResult:
         return factor_rank(np.asarray(self.factor_P[i]), np.asarray(self.factor_Q[i]))
 
     def to_json(self, i: int = 0) -> dict:
+        """Target i as JSON; KLs reported as max(0, KL) (the loop's own, in its precision: a
+        value below 0 is rounding; NaN stays NaN)."""
         f = lambda a: float(np.asarray(a)[i])
+        kl = lambda a: float(np.maximum(np.asarray(a, np.float64)[i], 0.0))
         return {"objective": "token", "param": self.param, "rank": self.rank, "delta_rank": self.delta_rank(i),
                 "layer": self.layer, "w": self.w, "target_id": int(self.target_ids[i]),
                 "target_prob_level": f(self.target_prob_level), "max_kl": self.max_kl, "norm": f(self.norm),
-                "target_prob": np.asarray(self.target_prob[i]).tolist(), "control_kl": f(self.control_kl),
+                "target_prob": np.asarray(self.target_prob[i]).tolist(), "control_kl": kl(self.control_kl),
                 "feasible": bool(self.feasible[i]), "shrink": f(self.shrink), "closed_alpha": f(self.closed_alpha),
                 "closed_norm": f(self.closed_norm), "closed_target_prob": np.asarray(self.closed_target_prob[i]).tolist(),
-                "closed_control_kl": f(self.closed_control_kl), "closed_feasible": bool(self.closed_feasible[i])}
+                "closed_control_kl": kl(self.closed_control_kl), "closed_feasible": bool(self.closed_feasible[i])}
 
 
 def check_probability(p, name: str) -> np.ndarray:
@@ -421,19 +466,22 @@ def entering(layers, X, valid, step: int):
     """The tokens entering schedule step ``step`` under rule ``full`` (the steps before it run once)."""
     if step == 0:
         return X
-    return run_batch(layers, X, valid, rule="full", schedule=np.asarray(layers.schedule[:step]),
+    return run_batch(layers, X, valid, dynamics=Dynamics.full(), schedule=np.asarray(layers.schedule[:step]),
                      observe=("final",))["final"]
 
 
 def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int = 1, param: str = "lowrank",
                    target_prob=0.5, max_kl: float = 0.5, controls=None, steps: int = 300, lr: float = 3e-3,
                    mu: float = 10.0, dual_every: int = 10, tol: float = 0.0, w: str = "auto",
-                   seed: int = 0) -> TokenSteeringResult:
+                   seed: int = 0, progress: bool = False, optimizer=None) -> TokenSteeringResult:
     """:func:`~.optimize.optimize_steering` with ``objective="token"`` (module docstring).
 
     model: a loaded causal decoder; x0 "float[B n d]" the prompts' embeddings with ``valid``;
     targets: a token id or K ids; target_prob: one level or one per target; controls: texts
-    or token-id lists (default :data:`CONTROL_PROMPTS`)."""
+    or token-id lists (default :data:`CONTROL_PROMPTS`); progress: report the steps to the
+    active :class:`~.progress.SteerProgress` (the loop runs in the same chunks without it, so
+    the numbers are the same); optimizer: an optax transformation (default
+    :func:`~.lagrangian.default_optimizer` of lr and steps)."""
     from ..models.base import Model
     from ..models.embed import embed_ids
     from ..models.layout import unembedding_matrix, vocabulary_rows
@@ -496,7 +544,8 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
     out = solve_token_many(model, pre, V_all, last, base_logp, R, jnp.asarray(U, dtype), jnp.asarray(ids, jnp.int32),
                            jnp.asarray(np.log(levels), dtype), keys, layer=l, tail=tail, n_prompts=B, param=param,
                            rank=int(rank), max_kl=float(max_kl), steps=int(steps), lr=float(lr), mu=float(mu),
-                           dual_every=int(dual_every), tol=float(tol), w_kind=w_kind)
+                           dual_every=int(dual_every), tol=float(tol), w_kind=w_kind, progress=progress,
+                           optimizer=optimizer)
     out = jax.tree_util.tree_map(np.asarray, out)
     return TokenSteeringResult(target_ids=ids, directions=U, target_prob_level=np.asarray(levels, np.float64),
                                max_kl=float(max_kl), param=param, rank=1 if param == "activation" else int(rank),

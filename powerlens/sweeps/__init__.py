@@ -7,12 +7,12 @@
     columns   the table's columns, reduced on the host
     engine    chunks, jit(shard_map(lax.map(vmap))), progress, resumption
     store     finished chunks on disk; the output folder's rules
-    distributed  jax.distributed start-up, local workers, Slurm / Open MPI / env variables
     report    figures and report.html
     api       sweep(spec, out) -> DataFrame, load_sweep(out)
 
 This package sits on top (beside reproduce and commands): it may import dynamics, models,
-analysis, steering and io.
+analysis, steering and io. Starting several processes (``jax.distributed``, local workers)
+is the command line's business: :mod:`powerlens.runtime.distributed`.
 """
 from .api import load_sweep, sweep
 from .spec import Spec, load_spec

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import io
+from ..dynamics.options import Dynamics
 from ..dynamics.subspaces import Subspaces
 from ..dynamics.synthetic import synthetic as build_synthetic
 from .columns import series_column
@@ -161,8 +162,8 @@ class SweepSystem:
         ``x0_exact``; a synthetic row adds everything
         :func:`powerlens.dynamics.synthetic.synthetic` returns (the spectrum in both orders).
       rule, attention, keep_bias, x64: how the row was run: ``with jax.enable_x64(s.x64):
-        pl.run(s.layers, s.x0, s.valid, rule=s.rule, attention=s.attention, keep_bias=s.keep_bias,
-        observers=...)`` (a float64 row run without x64 is run in float32, to float32's rounding).
+        pl.run(s.layers, s.x0, s.valid, dynamics=s.dynamics, observers=...)`` (a float64 row run
+        without x64 is run in float32, to float32's rounding).
     """
 
     layers: Any
@@ -174,6 +175,11 @@ class SweepSystem:
     attention: str
     keep_bias: Optional[bool]
     x64: bool = False
+
+    @property
+    def dynamics(self) -> Dynamics:
+        """``rule``, ``attention`` and ``keep_bias`` as the one value ``pl.run`` takes."""
+        return Dynamics(self.rule, self.attention, self.keep_bias)
 
 
 def _spec_and_rows(source):

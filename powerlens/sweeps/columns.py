@@ -106,7 +106,7 @@ def _unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def bipartite(final, v1, valid, cos: float):
+def is_bipartite(final, v1, valid, cos: float):
     """(bipartite_final, bipartite_drift-ready cosines): does every valid token lie within
     ``cos`` of +-v1, with both signs present? NaN where v1 is undefined (zero)."""
     c = np.einsum("snd,sd->sn", _unit(final), v1)
@@ -148,7 +148,7 @@ def reduce(raw: Mapping[str, np.ndarray], measure: Mapping, eps: float, series=(
     v1 = np.asarray(raw["v1"], np.float64)
     valid = np.asarray(raw["valid"], bool)
     defined = np.linalg.norm(v1, axis=1) > 0
-    stays = bipartite(raw["final"], v1, valid, measure["bipartite_cos"])
+    stays = is_bipartite(raw["final"], v1, valid, measure["bipartite_cos"])
     out["bipartite_final"] = [bool(s) if ok else None for s, ok in zip(stays, defined)]
     out["bipartite_drift"] = (np.where(defined, drift(raw["exact_step"], v1, valid), np.nan)
                               if "exact_step" in raw else np.full(S, np.nan))

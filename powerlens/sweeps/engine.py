@@ -19,8 +19,10 @@
   that progress and resumption stay fine-grained, and balanced so that the last chunk is
   not mostly padding; a group whose smallest chunk does not fit is refused naming the key
   that makes it large (steps, tokens, micro_batch, ...). Every chunk of a group is padded to
-  the same size: one compilation per group. The plan (:class:`Plan`) is index arithmetic:
-  no chunk is listed.
+  the same size: one compilation per group, and one for all the groups that differ only in
+  an explicit spectrum (:func:`program_static`: its slots are an argument every system of a
+  chunk shares, :func:`shared_input`; :attr:`Engine.programs` counts the compilations). The
+  plan (:class:`Plan`) is index arithmetic: no chunk is listed.
 * Chunk j goes to process j mod N (``"local"`` mode: each process runs its chunks on its
   own devices); in ``"global"`` mode every chunk is sharded over the global mesh of all
   processes' devices. A finished chunk is reduced to its columns on the host and stored at
@@ -49,12 +51,12 @@ from ..analysis.budget import Estimate, available_bytes, format_bytes, run_estim
 from ..dynamics import execution
 from ..dynamics.execution import map_systems, micro_size, padded_size
 from . import columns
-from .grid import DYNAMIC, Grid, Group, system_seeds
+from .grid import DYNAMIC, EXPLICIT, Grid, Group, compiled_keys, explicit_slots, program_key, system_seeds
 from .measures import measure
 from .spec import Spec
 from .store import jsonable
 from .systems import (Static, Systems, call_builder, check_model, checkpoint_identity, concat, model_systems,
-                      spec_builder, synthetic)
+                      spec_builder, synthetic_systems)
 
 CPU_BUDGET = 1 << 30           # bytes per CPU device for one chunk
 MAX_CHUNK = {"cpu": 1024}      # systems per chunk at most (accelerators: 16384)
@@ -232,22 +234,46 @@ def stored(store, name: str):
         return None
 
 
-def _chunk_fn(st: Static, device_built: bool) -> Callable:
-    """One system of a group -> its measures (one function object per static config: it keys
-    the compiled program of :func:`~powerlens.dynamics.execution.map_systems`); host-built
-    systems bring their shapes with them, so only the dynamics' settings count."""
+HOST_BUILT = ("d", "tokens", "heads", "kind", "spectrum", "init")
+"""Static keys that host-built systems (a model's, a builder's) bring with their arrays: they
+key no program (nor does ``order``: the references are built on the host)."""
+
+
+def program_static(st: Static, device_built: bool) -> Static:
+    """What the compiled program of a group depends on: its static keys, with an explicit
+    spectrum as :data:`~powerlens.sweeps.grid.EXPLICIT` (its slots are an argument,
+    :func:`shared_input`); host-built systems bring their shapes with them, so only the
+    dynamics' settings count."""
     if not device_built:
-        st = dataclasses.replace(st, d=None, tokens=None, heads=None, kind=None, spectrum=None, init=None,
-                                 order="shifted")
-    return _measured(st, device_built)
+        return dataclasses.replace(st, **{k: None for k in HOST_BUILT}, order="shifted")
+    return dataclasses.replace(st, spectrum=program_key("spectrum", st.spectrum))
+
+
+def shared_input(st: Static, device_built: bool):
+    """The argument every system of a chunk shares: an explicit spectrum's slots "float[d 2]"
+    (None otherwise). Not batched over the systems, so that a row is computed exactly as in a
+    program with its spectrum compiled in (the same operations on the same shapes)."""
+    if not device_built or program_key("spectrum", st.spectrum) != EXPLICIT:
+        return None
+    return explicit_slots(st.spectrum, st.d, np.float64 if st.x64 else np.float32)
+
+
+def _chunk_fn(st: Static, device_built: bool) -> Callable:
+    """One system of a group -> its measures (one function object per compiled program,
+    :func:`program_static`: it keys the compiled program of
+    :func:`~powerlens.dynamics.execution.map_systems`); with an explicit spectrum it takes
+    the slots first, ``fn(slots, seed, values)``."""
+    return _measured(program_static(st, device_built), device_built)
 
 
 @functools.lru_cache(maxsize=64)
 def _measured(st: Static, device_built: bool) -> Callable:
     # the system is built inside each micro-batch (LAPACK-free, :mod:`powerlens.sweeps.linalg`),
     # so every device runs the same program on the same micro-batch shape
+    if device_built and st.spectrum == EXPLICIT:
+        return lambda slots, seed, p: measure(synthetic_systems(seed, {**p, "eigenvalues": slots}, st), st)
     if device_built:
-        return lambda seed, p: measure(synthetic(seed, p, st), st)
+        return lambda seed, p: measure(synthetic_systems(seed, p, st), st)
     return lambda sy: measure(sy, st)
 
 
@@ -278,7 +304,8 @@ class Engine:
         self.build = model_systems if spec.model is not None else (
             None if self.device_built else spec_builder(spec))
         self._built: Dict[int, Systems] = {}       # host-built points kept from the checks, by point
-        self.checkpoint = checkpoint_identity(spec.model["name"]) if spec.model is not None else None
+        self.checkpoint = (checkpoint_identity(spec.model["name"], progress=progress) if spec.model is not None
+                           else None)
         self.shapes = self._check_systems()
         self.plan = self._plan()
         self.hash = spec_hash(spec, self.checkpoint, prefix)
@@ -427,7 +454,8 @@ class Engine:
                              f"use fewer systems{' or series' if 'series' in key else ''}")
 
     def describe(self) -> str:
-        """What will run, in one line: systems, groups, chunks, memory per chunk."""
+        """What will run, in one line: systems, groups (one compilation each) and the grid keys
+        that split them, chunks, memory per chunk."""
         spec, plan = self.spec, self.plan
         per = (f"{len(spec.model['prompts'])} prompts" if spec.model is not None
                else f"{self.grid.replicates} replicates")
@@ -436,7 +464,24 @@ class Engine:
                 f"group{'s' * (len(self.groups) != 1)}, {len(plan):,} chunk{'s' * (len(plan) != 1)} of up to "
                 f"{max(plan.sizes):,} systems, about {format_bytes(plan.estimates[biggest].total)} per chunk "
                 f"({format_bytes(plan.limit)} available) on {self.mesh.size} {_platform()} "
-                f"device{'s' * (self.mesh.size != 1)}")
+                f"device{'s' * (self.mesh.size != 1)}; {self.splits()}")
+
+    @property
+    def programs(self) -> int:
+        """How many programs the sweep compiles: one per distinct :func:`program_static` and
+        chunk size (the groups of every explicit spectrum share one)."""
+        return len({(program_static(st, self.device_built), size) for st, size in zip(self.statics, self.plan.sizes)})
+
+    def splits(self) -> str:
+        """The compilations and the grid keys that split them, e.g. ``4 compilations (by heads;
+        explicit spectra are dynamic values)``."""
+        keys = [k for k in compiled_keys(self.grid.axes) if self.device_built or k not in HOST_BUILT + ("order",)]
+        notes = [f"by {' x '.join(keys)}"] if keys else []
+        if self.device_built and "spectrum" in self.grid.axes and any(
+                program_key("spectrum", st.spectrum) == EXPLICIT for st in self.statics):
+            notes.append("explicit spectra are dynamic values")
+        n = self.programs
+        return f"{n} compilation{'s' * (n != 1)}" + (f" ({'; '.join(notes)})" if notes else "")
 
     # ------------------------------------------------------------------ inputs
 
@@ -491,8 +536,13 @@ class Engine:
                 sy = self._host_systems(np.unique(ids // R))
                 pos = np.searchsorted(np.unique(ids // R), ids // R) * R + ids % R
                 return jax.tree_util.tree_map(lambda a: np.asarray(a)[pos], sy)
-            build = jax.jit(jax.vmap(lambda seed, q: synthetic(seed, q, st)))
-            return jax.tree_util.tree_map(np.asarray, build(*self._seeds_and_values(ids, st)))
+            slots, prog = shared_input(st, True), program_static(st, True)
+            if slots is None:
+                build = jax.jit(jax.vmap(lambda seed, q: synthetic_systems(seed, q, st)))
+                return jax.tree_util.tree_map(np.asarray, build(*self._seeds_and_values(ids, st)))
+            build = jax.jit(jax.vmap(lambda e, seed, q: synthetic_systems(seed, {**q, "eigenvalues": e}, prog),
+                                     in_axes=(None, 0, 0)))
+            return jax.tree_util.tree_map(np.asarray, build(slots, *self._seeds_and_values(ids, st)))
 
     def _gather(self, out):
         if self.mode == "local":
@@ -516,10 +566,23 @@ class Engine:
             return f"is chunk {prov.get('chunk')} of group {prov.get('group')}, not this one"
         if ids != self.groups[chunk.group].systems(chunk.start, chunk.stop).tolist():
             return "holds other systems than this chunk's"
+        made = set(self.grid.columns(ids[:1])) | set(columns.MEASURED)     # every chunk's columns ...
+        series = {columns.series_column(k) for k in self.statics[chunk.group].series}   # ... and these
         if not isinstance(cols, dict) or any(not isinstance(v, list) or len(v) != chunk.n for v in cols.values()) \
-                or not set(columns.MEASURED) <= set(cols):
+                or not made <= set(cols):
             return "does not hold one value of every column per system"
-        if prov.get("rows") != rows_checksum(ids, cols):
+        extra = sorted(set(cols) - made - series)
+        if extra:
+            return f"holds columns this sweep does not make ({', '.join(extra[:3])})"
+        odd = next((k for k in columns.MEASURED if any(x is not None and type(x) not in (int, float, bool)
+                                                        for x in cols[k])), None)
+        if odd is not None:
+            return f"holds a value that is not a number in column {odd}"
+        try:
+            rows = rows_checksum(ids, cols)
+        except ValueError:                           # a NaN or an infinity: powerlens stores them as null
+            return "holds a NaN or infinite value (powerlens stores them as null)"
+        if prov.get("rows") != rows:
             return "has rows that do not match its checksum (edited or damaged)"
         return None
 
@@ -546,8 +609,11 @@ class Engine:
         with jax.enable_x64(st.x64):                 # host builders make their arrays in the group's precision
             ids, inputs, facts = self._inputs(chunk)
             # padded to the chunk's size (every chunk of a group runs one program), kept padded
+            shared = shared_input(st, self.device_built)
+            if shared is not None and self.mode == "global":      # replicated over every process's devices
+                shared = execution.put(shared, execution.axis_sharding(self.mesh, np.ndim(shared)))
             out = map_systems(_chunk_fn(st, self.device_built), inputs, devices=self.mesh, micro=self.micro,
-                              size=chunk.size, spread=self.mode, trim=False)
+                              size=chunk.size, spread=self.mode, trim=False, shared=shared)
         return chunk, ids, out, facts
 
     def finish(self, launched) -> dict:

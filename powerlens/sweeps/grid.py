@@ -7,9 +7,15 @@ loops over points in Python: values are read off index arrays.
 
 Keys split in two:
 
-* **static** keys change shapes or code (d, tokens, heads, kind, spectrum, init, steps,
-  attention, rule, order, keep_bias, x64): the points of one combination form a *group*,
-  compiled once;
+* **static** keys (d, tokens, heads, kind, spectrum, init, steps, attention, rule, order,
+  keep_bias, x64): the points of one combination form a *group*, run in chunks of their
+  own. All but ``spectrum`` change shapes or code: each combination of them is compiled
+  once. An explicit spectrum changes neither: its slots (:func:`explicit_slots`, zeros
+  fill up to d) are "float[d 2]" whatever its text, an argument that every system of a
+  chunk shares, so the groups of every explicit spectrum run one compiled program (the
+  ``spectrum`` axis splits compilations only between ``"random"`` and explicit values:
+  :func:`program_key`). The spectrum is not batched over systems, so each row is computed
+  exactly as by a program with its spectrum compiled in as a constant, byte for byte;
 * **dynamic** keys (beta, top, rest, imag, pair, nonnormality, cone, noise) are arrays
   with one entry per system, inside one compiled program.
 
@@ -26,11 +32,32 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from .spec import Spec
+from ..dynamics.synthetic import parse_spectrum, spectrum_slots
+from .spec import DYNAMIC, STATIC, Spec  # noqa: F401  (DYNAMIC re-exported: the engine's arguments)
 
-STATIC = ("d", "tokens", "heads", "kind", "spectrum", "init", "steps", "attention", "rule", "order",
-          "keep_bias", "x64")
-DYNAMIC = ("beta", "top", "rest", "imag", "pair", "nonnormality", "cone", "noise")
+EXPLICIT = "eigenvalues"
+"""What is compiled of an explicit spectrum: ``SyntheticConfig.spectrum = "eigenvalues"``,
+its slots an argument of the program."""
+
+
+def program_key(key: str, value) -> Any:
+    """What of a static key's value is compiled in: the value itself, except an explicit
+    ``spectrum``, which is :data:`EXPLICIT` whatever its text."""
+    if key == "spectrum" and value is not None and value != "random":
+        return EXPLICIT
+    return json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else value
+
+
+def compiled_keys(axes: Dict[str, list]) -> List[str]:
+    """The grid axes whose values compile different programs (static keys with more than one
+    :func:`program_key`), in grid order: the keys that split a sweep's compilations."""
+    return [k for k, v in axes.items() if k in STATIC and len({program_key(k, x) for x in v}) > 1]
+
+
+def explicit_slots(text: str, d: int, dtype=np.float64) -> np.ndarray:
+    """"float[d 2]" the slots (:func:`~powerlens.dynamics.synthetic.spectrum_slots`) of an
+    explicit spectrum text in a d-wide system: the program argument of its group."""
+    return spectrum_slots(parse_spectrum(text), d).astype(dtype)
 
 
 def splitmix64(x) -> np.ndarray:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ..dynamics.observers import final, mean_tangent, plane_angle, run_observers
+from ..dynamics.options import Dynamics
 from ..dynamics.run import run
 from .systems import Static, Systems
 
@@ -34,20 +35,20 @@ from .systems import Static, Systems
 def measure(sy: Systems, st: Static) -> Dict[str, jax.Array]:
     """The raw outputs of one system (module docstring); the spectral facts of ``sy`` that
     are set (lam, dim, v1) pass through."""
-    keep_bias = st.keep_bias or None
+    dynamics = Dynamics(st.rule, st.attention, st.keep_bias or None)
     extras = {"direction_tan": mean_tangent(sy.direction)}
     if sy.top2 is not None:
         extras["top2_tan"] = mean_tangent(sy.top2)
     principal = sy.subspaces.index("principal")
     if "plane_angle" in st.series and sy.subspaces.basis.shape[-1] >= 2:
         extras["plane_angle"] = plane_angle(sy.subspaces.basis[0, principal])
-    out = run(sy.layers, sy.x0, sy.valid, rule=st.rule, attention=st.attention, keep_bias=keep_bias,
+    out = run(sy.layers, sy.x0, sy.valid, dynamics=dynamics,
               observers=run_observers(sy.subspaces, extras=extras))
     a = out.pop("alignment")
     raw = {"consensus": out.pop("consensus").consensus, "gamma": a.gamma[:, principal],
            "rho": a.rho[:, principal], "rotation": a.rotation, **out, "valid": sy.valid}
     if sy.x0_exact is not None:
-        one = run(sy.layers, sy.x0_exact, sy.valid, rule=st.rule, attention=st.attention, keep_bias=keep_bias,
+        one = run(sy.layers, sy.x0_exact, sy.valid, dynamics=dynamics,
                   observers={"final": final()}, schedule=jnp.zeros((1,), jnp.int32))
         raw["exact_step"] = one["final"]
     for name in ("lam", "dim", "v1"):

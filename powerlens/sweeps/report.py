@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 from matplotlib.figure import Figure
 
+from .. import io
 from ..analysis import plots
 from ..analysis import report_html as page
 from .columns import RATES
@@ -123,23 +124,22 @@ def plot_distributions(df, measure: str, axes: Sequence[str], path: str) -> str:
 def write_figures(folder: str, df, spec, plot: Optional[str] = None) -> List[str]:
     """Every figure of the module docstring that has data; paths relative to ``folder``."""
     choice = parse_plot(plot, spec, df)
-    fig_dir = os.path.join(folder, "figures")
-    out = []
+    out = []                 # each figure is listed in the folder's ledger before it is written
     for meas, pred in RATES:
         p, m = _numeric(df[pred]), _numeric(df[meas])
         if (np.isfinite(p) & np.isfinite(m)).any():
             xl, yl = RATE_LABELS[meas]
             name = "rate_" + meas.replace("_rate", "") + ".png"
-            out.append(plots.plot_scatter_predicted(p, m, os.path.join(fig_dir, name), xlabel=xl, ylabel=yl,
+            out.append(plots.plot_scatter_predicted(p, m, io.claim(folder, "figures/" + name), xlabel=xl, ylabel=yl,
                                                     title=f"{meas}: measured against predicted",
                                                     angles=meas == "rotation"))
     if choice is not None:
         m, x, y = choice
         if np.isfinite(_numeric(df[m])).any():
-            out.append(plot_heatmap(df, m, x, y, os.path.join(fig_dir, f"heatmap_{m}_{x}_{y or 'none'}.png")))
+            out.append(plot_heatmap(df, m, x, y, io.claim(folder, f"figures/heatmap_{m}_{x}_{y or 'none'}.png")))
             axes = axes_of(df, spec)
             if axes:
-                out.append(plot_distributions(df, m, axes, os.path.join(fig_dir, f"distributions_{m}.png")))
+                out.append(plot_distributions(df, m, axes, io.claim(folder, f"figures/distributions_{m}.png")))
     return [os.path.relpath(p, folder) for p in out]
 
 

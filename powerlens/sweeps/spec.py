@@ -14,11 +14,12 @@
 
 Every error is a one-line ``ValueError`` naming the file, the table and the key:
 malformed TOML, a file that is not UTF-8 or is nested too deeply, an unknown table or key,
-a list where a scalar is needed, a negative count, more than :data:`MAX_STEPS` steps, a
+a list where a scalar is needed, a negative count, more than :data:`MAX_SYSTEM_STEPS` steps, a
 seed outside 0 .. 2^64-1, heads that do not divide d, an empty grid, a grid larger than
 :data:`MAX_POINTS` points or :data:`MAX_GROUPS` static combinations, more than
 :data:`MAX_SYSTEMS` systems (points x replicates, or x prompts), a value that is not
-finite in the precision it will be used in (float32 unless x64), ``rule = "full"`` on a
+finite in the precision it will be used in (float32 unless x64; a nonnormality whose S = I + s G / sqrt(d)
+or a bipartite noise whose start's squared norm can overflow it, for any normal draw G), ``rule = "full"`` on a
 synthetic system (it has no FFN), an unknown model.
 
 A custom builder (``builder = "module:function"``) is user code: powerlens imports and
@@ -33,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import numpy as np
@@ -41,12 +41,9 @@ import numpy as np
 from ..analysis.spectra import ORDERS
 from ..dynamics.attention import ATTENTION_MODES
 from ..dynamics.layer import RULES
-from ..dynamics.synthetic import KINDS, parse_spectrum
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from ..dynamics.synthetic import INITS, KINDS, NORMAL_MAX, noise_limit, nonnormality_limit, parse_spectrum
+from ..io import read_toml  # noqa: F401  (a spec's TOML, read before any numerical library is imported)
+from .sources import builder_file, host_builder, model_layers
 
 MAX_POINTS = 10_000_000
 """Grid points a spec may have."""
@@ -54,13 +51,19 @@ MAX_SYSTEMS = 10_000_000
 """Systems (rows) a sweep may have: points x replicates (x prompts in a model sweep)."""
 MAX_GROUPS = 10_000
 """Static combinations (one compilation each) a grid may have."""
-MAX_STEPS = 2 ** 31 - 1
-"""Steps of one system at most (the schedule's index is an int32)."""
+MAX_SYSTEM_STEPS = 2 ** 31 - 1
+"""Steps of one system of a sweep at most (the schedule's index is an int32)."""
 MAX_SEED = 2 ** 64 - 1
 SHOW = 80
 """Characters of a bad value shown in a message."""
-INITS = ("sphere", "cone", "bipartite")
 SERIES = ("consensus", "gamma", "rotation", "direction_tan", "top2_tan", "plane_angle")
+STATIC = ("d", "tokens", "heads", "kind", "spectrum", "init", "steps", "attention", "rule", "order",
+          "keep_bias", "x64")
+"""The static keys: each combination of their values is a group of the grid (see
+:mod:`~powerlens.sweeps.grid`), compiled once unless only its explicit spectrum differs."""
+DYNAMIC = ("beta", "top", "rest", "imag", "pair", "nonnormality", "cone", "noise")
+"""The dynamic keys, the numbers a synthetic system is built from: arrays with one entry
+per system, arguments of the compiled program."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +128,7 @@ def choice(options, default) -> Key:
     return Key(default, check)
 
 
-def flag(default: bool) -> Key:
+def boolean(default: bool) -> Key:
     def check(v, where):
         _scalar(v, where)
         if not isinstance(v, bool):
@@ -226,9 +229,9 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "builder_path": text("", griddable=False, empty=True),
     },
     "run": {
-        "steps": count(1, 100, maximum=MAX_STEPS), "attention": choice(ATTENTION_MODES, "softmax"),
+        "steps": count(1, 100, maximum=MAX_SYSTEM_STEPS), "attention": choice(ATTENTION_MODES, "softmax"),
         "rule": choice(RULES, "paper"),
-        "order": choice(ORDERS, "shifted"), "keep_bias": flag(False), "x64": flag(False),
+        "order": choice(ORDERS, "shifted"), "keep_bias": boolean(False), "x64": boolean(False),
         "chunk_size": count(0, 0, griddable=False), "micro_batch": batch(),
     },
     "measure": {
@@ -311,28 +314,6 @@ def differing_keys(a: Mapping, b: Mapping) -> List[str]:
     return sorted(k for k in set(fa) | set(fb) if fa.get(k, None) != fb.get(k, None))
 
 
-def read_toml(path: str) -> dict:
-    """The raw table of a TOML file; a malformed, non-UTF-8 or too deeply nested file is one
-    ValueError naming the file (and the line, for malformed TOML)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the spec ({exc.strerror})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at line {line}); "
-                         f"a spec is a UTF-8 TOML file") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: malformed TOML: {' '.join(str(exc).split())}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: nested too deeply to be a sweep spec") from None
-
-
 def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
     """A :class:`Spec` from a TOML path, a raw dict or a Spec; ``overrides`` are merged into
     the raw tables first (``{"system": {"replicates": 4}}``)."""
@@ -391,7 +372,7 @@ def _parse(raw: Mapping, source: str) -> Spec:
     schema = SCHEMA
     if name != "synthetic":       # the rest first (the builder's own keys aside): user code runs only on a valid spec
         _tables(raw, where, schema, defer=True)
-        extra = builder_keys(name, _builder_file(builder.get("builder_path", ""), source), where)
+        extra = builder_keys(name, builder_file(builder.get("builder_path", ""), source), where)
         schema = {**SCHEMA, "system": {**SCHEMA["system"], **extra}}
     tables, grid = _tables(raw, where, schema)
     system = tables.get("system", {}) if model is None else {}
@@ -430,21 +411,10 @@ def _tables(raw: Mapping, where, schema, defer: bool = False):
     return tables, grid
 
 
-def _builder_file(path: str, source: str) -> str:
-    """``builder_path`` as a path: relative to the spec file's folder (to the current
-    directory for a spec given as a dict); "" for none."""
-    if not path:
-        return ""
-    if os.path.isabs(path) or source.startswith("<"):
-        return os.path.abspath(path)
-    return os.path.join(os.path.dirname(os.path.abspath(source)), path)
-
-
 def builder_keys(name: str, path: str, where) -> Dict[str, Key]:
     """The extra [system]/[grid] keys the custom builder ``name`` reads (imported as
-    :func:`~powerlens.sweeps.systems.host_builder` does): its ``keys`` attribute
+    :func:`~powerlens.sweeps.sources.host_builder` does): its ``keys`` attribute
     ``{name: default}`` (scalars of the default's type)."""
-    from .systems import host_builder
     try:
         fn = host_builder(name, path)
     except ValueError as exc:
@@ -512,7 +482,6 @@ def _check_points(spec: Spec, where) -> None:
     if n > MAX_POINTS:
         sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items())
         _fail(where("grid"), f"has {n:,} points ({sizes}); at most {MAX_POINTS:,} are allowed")
-    from .grid import STATIC
     groups = math.prod(len(v) for k, v in spec.grid.items() if k in STATIC)
     if groups > MAX_GROUPS:
         sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items() if k in STATIC)
@@ -557,7 +526,6 @@ def _check_precision(spec: Spec, values, at) -> None:
     """Every number a synthetic system is built from is finite in the dtype it is used in
     (float32 unless every point has x64 = true), and so are a range's width hi - lo and
     |1 + lambda| of an explicit spectrum's eigenvalues (the key they are ordered by)."""
-    from .grid import DYNAMIC              # the numbers a synthetic system is built from
     x64 = all(values("x64"))
     dt, name = (np.float64, "float64") if x64 else (np.float32, "float32")
     where = f"{name}, the precision of {'every point' if x64 else 'the points with x64 = false'}"
@@ -587,16 +555,46 @@ def _check_precision(spec: Spec, values, at) -> None:
             if not ok:
                 _fail(at("spectrum"), f"the eigenvalue {z:g} of {show(s)} (or |1 + lambda|) overflows {where}; "
                                       f"{advice}")
+    if "nonnormal" in values("kind"):
+        _check_nonnormality(values, at, dt, where, advice)
+    if "bipartite" in values("init"):
+        d, noise = max(values("d")), max(values("noise"))
+        if noise > noise_limit(d, dt):
+            _fail(at("noise"), f"{noise:g} overflows {where}: a bipartite start +-v1 + noise G (G a normal draw, "
+                               f"|G| <= {NORMAL_MAX[np.dtype(dt)]:.4g}) is normalised by its norm, whose square "
+                               f"stays finite for noise <= {noise_limit(d, dt):.4g} at d = {d}; {advice}")
+
+
+def _check_nonnormality(values, at, dt, where: str, advice: str) -> None:
+    """The largest nonnormality s against :func:`~powerlens.dynamics.synthetic.nonnormality_limit`
+    (S = I + s G / sqrt(d) and S D finite for every normal draw), at the smallest d and the
+    largest |Re lambda| + |Im lambda| any point can have (an explicit spectrum's, or the ranges'
+    top + imag and rest): one bound for the whole grid, however long."""
+    scale = 0.0
+    for s in values("spectrum"):
+        if s == "random":
+            big = lambda key: max(max(abs(lo), abs(hi)) for lo, hi in values(key))
+            pair = big("imag") if max(values("pair")) > 0 else 0.0
+            scale = max(scale, big("top") + pair, big("rest"))
+        else:
+            scale = max([scale] + [abs(z.real) + abs(z.imag) for z in parse_spectrum(s)])
+    d = min(values("d"))
+    limit = nonnormality_limit(d, scale, dt)
+    s = max(values("nonnormality"))
+    if s > limit:
+        eigs = f" and eigenvalues up to |Re| + |Im| = {scale:g}" if scale > 1 else ""
+        _fail(at("nonnormality"), f"{s:g} overflows {where}: the nonnormal S = I + s G / sqrt(d) (G a normal draw, "
+                                  f"|G| <= {NORMAL_MAX[np.dtype(dt)]:.4g}) and S D stay finite for s <= {limit:.4g} "
+                                  f"at d = {d}{eigs}; {advice}")
 
 
 def _check_model(spec: Spec, where) -> None:
     """The model exists; ``layers`` becomes the 0-based numbers of the layers it names (which
     loads the model): every unique layer for ``"all"``, a list checked against the model, a
-    negative index counted from the last layer (see :func:`~.systems.model_layers`)."""
+    negative index counted from the last layer (see :func:`~.sources.model_layers`)."""
     from ..models.load import resolve
     try:
         resolve(spec.model["name"])
     except ValueError as exc:
         _fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")
-    from .systems import model_layers
     spec.model["layers"] = model_layers(spec)

@@ -17,7 +17,9 @@ A store has three methods:
 * :class:`ChunkFolder`: one JSON file per chunk, written atomically (:func:`powerlens.io.write_json`),
   under ``OUT/.chunks/`` (a ``powerlens sweep`` folder: every process of a multi-process
   sweep writes its own chunks there) or ``OUT/.chunks/KEY/`` with KEY a hash of the run's
-  settings (``powerlens reproduce``). A damaged file is recomputed and rewritten.
+  settings (``powerlens reproduce``). Each file is listed in the folder's ledger before it is
+  written (:func:`powerlens.io.claim`), so ``--overwrite`` and ``clear`` remove exactly the
+  chunks powerlens wrote. A damaged file is named in the log, recomputed and rewritten.
 
 Folder rules (:func:`check_folder`): an absent or empty folder starts a sweep; a folder
 this spec wrote resumes; a sweep with a different spec, or another command's folder, is
@@ -27,10 +29,11 @@ always refused.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
+import sys
 from typing import Any, Callable, Dict, Iterable, Optional
 
 from .. import io
@@ -39,7 +42,7 @@ from .spec import differing_keys
 CHUNKS = ".chunks"
 COMMAND = "sweep"
 FILES = ("results.parquet", "results.csv", "sweep.json", "report.html")   # what a finished sweep writes ...
-FOLDERS = {CHUNKS: "*.json", "figures": "*.png"}                         # ... beside its chunks and figures
+FOLDERS = (CHUNKS, "figures")         # ... beside its chunks and figures, each listed as written (io.claim)
 
 _ABSENT = object()
 
@@ -99,19 +102,34 @@ class MemoryStore:
         self.values[name] = value
 
 
+def _no_constant(name: str):
+    raise ValueError(f"it holds {name}, which powerlens stores as null")
+
+
 class ChunkFolder(MemoryStore):
     """Chunks as JSON files under ``OUT/.chunks/`` or, with ``settings``, ``OUT/.chunks/KEY/``
-    (KEY = :func:`settings_key`): atomic writes; a damaged file reads as absent (recomputed).
+    (KEY = :func:`settings_key`): atomic writes, each file listed in the folder's ledger before
+    it is written (:func:`powerlens.io.claim`). A damaged file (not JSON, or JSON that
+    powerlens does not write, such as a NaN literal) is named in the log and recomputed.
     Chunk names map to file names with every character but letters, digits, ``-_.`` as ``_``."""
 
-    def __init__(self, out: str, settings: Optional[dict] = None):
+    def __init__(self, out: str, settings: Optional[dict] = None, *,
+                 log: Optional[Callable[[str], None]] = None):
         super().__init__()
-        self.root = os.path.join(out, CHUNKS) if settings is None else os.path.join(out, CHUNKS, settings_key(settings))
+        self.out = out
+        self.sub = CHUNKS if settings is None else f"{CHUNKS}/{settings_key(settings)}"
+        self.root = io.claim(out, self.sub + "/")
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.damaged: Dict[str, str] = {}           # chunk name -> why its file was not read
+        self._written: set = set()                  # files this store wrote (a folder with no marker has no ledger)
         os.makedirs(self.root, exist_ok=True)
 
     def path(self, name: str) -> str:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-        return os.path.join(self.root, safe + ".json")
+        return os.path.join(self.root, self._file(name))
+
+    @staticmethod
+    def _file(name: str) -> str:
+        return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".json"
 
     def _read(self, name: str) -> Any:
         path = self.path(name)
@@ -119,19 +137,31 @@ class ChunkFolder(MemoryStore):
             return _ABSENT
         try:
             with open(path, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (ValueError, RecursionError):        # damaged (writes are atomic, so rare): recomputed
+                return json.load(fh, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:   # damaged (writes are atomic, so rare): recomputed
+            why = " ".join(str(exc).split())[:200] or type(exc).__name__
+            if name not in self.damaged:            # said once, however often it is asked for
+                self.damaged[name] = why
+                self.log(f"powerlens: stored chunk {name} ({path}) is damaged ({why}); recomputing it")
             return _ABSENT
 
     def _write(self, name: str, value: Any) -> None:
-        io.write_json(self.path(name), value)
+        io.write_json(io.claim(self.out, f"{self.sub}/{self._file(name)}"), value)
+        self._written.add(self._file(name))
+        self.damaged.pop(name, None)
 
     def clear(self) -> None:
-        """Remove this store's chunks (its folder, and ``.chunks/`` if that leaves it empty)."""
-        shutil.rmtree(self.root, ignore_errors=True)
-        parent = os.path.dirname(self.root)
-        if os.path.basename(parent) == CHUNKS and os.path.isdir(parent) and not os.listdir(parent):
-            os.rmdir(parent)
+        """Remove this store's chunks: the files listed as written there (by any process of any
+        run: :func:`powerlens.io.remove_owned`) and those it wrote itself, nothing else; then
+        its folder and ``.chunks/`` where that leaves them empty."""
+        for name in self._written:
+            path = os.path.join(self.root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.unlink(path)
+        io.remove_owned(self.out, under=self.sub)
+        for folder in (self.root, os.path.join(self.out, CHUNKS)):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def check_folder(target: str, spec: dict, overwrite: bool) -> str:

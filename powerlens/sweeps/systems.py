@@ -6,7 +6,7 @@ from one of three builders:
 
 * ``synthetic`` (the default): built on the device, inside the compiled program, from
   the system's seed and grid values alone by :func:`powerlens.dynamics.synthetic.synthetic`
-  (:func:`synthetic` arranges its facts for the measures): F = Q D Q^T (symmetric, normal)
+  (:func:`synthetic_systems` arranges its facts for the measures): F = Q D Q^T (symmetric, normal)
   or S D S^-1 (nonnormal) with D the block-diagonal form of the spectrum (LAPACK-free:
   :mod:`powerlens.dynamics.linalg`), split over the heads by the least-squares rule, Gaussian
   queries/keys of inverse temperature beta. The spectrum is known by construction, so the
@@ -29,12 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
-import importlib.machinery
-import importlib.util
 import os
-import struct as _struct
-import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
@@ -49,6 +44,8 @@ from ..dynamics.subspaces import REFERENCES, Subspaces, stack_subspaces
 from ..dynamics.sweep import stack_systems
 from ..dynamics.linalg import group_size
 from ..dynamics.synthetic import SyntheticConfig, synthetic as build_synthetic
+from .sources import builder_file, host_builder, model_layers  # noqa: F401  (re-exported)
+from .sources import loaded_model as _model   # one cache for the spec's checks and the rows
 
 
 @struct.dataclass
@@ -116,7 +113,7 @@ class Static:
 
 # ------------------------------------------------------------------ synthetic, on the device
 
-def synthetic(seed, p: Dict[str, Any], st: Static) -> Systems:
+def synthetic_systems(seed, p: Dict[str, Any], st: Static) -> Systems:
     """One synthetic system from its seed "int[]" and dynamic values ``p`` (beta, top, rest,
     imag, pair, nonnormality, cone, noise; ranges "float[2]"): the system and facts of
     :func:`powerlens.dynamics.synthetic.synthetic`, arranged for the measures. Pure: vmap and jit it."""
@@ -206,82 +203,9 @@ def concat(batches: Sequence[Systems]) -> Systems:
     return batches[0] if len(batches) == 1 else jax.tree_util.tree_map(cat, *batches)
 
 
-def _is_here(entry: str) -> bool:
-    """Whether a ``sys.path`` entry is the current directory ('' and '.' included)."""
-    if entry in ("", "."):
-        return True
-    try:
-        return os.path.realpath(entry) == os.path.realpath(os.getcwd())
-    except (OSError, ValueError):
-        return False
-
-
-def _import_installed(module: str):
-    """``module`` imported from ``sys.path`` without the current directory (a module that is
-    imported already is taken as it is)."""
-    top = module.partition(".")[0]
-    if top not in sys.modules:
-        found = importlib.machinery.PathFinder.find_spec(top, [p for p in sys.path if not _is_here(p)])
-        if found is None:
-            here = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()])
-            hint = (f"; {top!r} lies in the current directory, which is never searched: name its file with "
-                    f"builder_path" if here is not None else "")
-            raise ImportError(f"no installed module named {top!r}{hint}")
-        _exec_module(found, top)
-    return importlib.import_module(module)
-
-
-def _import_file(module: str, path: str):
-    """The module in the file ``path`` (a .py file), under the name ``module``."""
-    if not os.path.isfile(path):
-        raise ImportError(f"builder_path {path!r} is not a file")
-    name = f"powerlens_builder_{hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:12]}_{module}"
-    if name in sys.modules:
-        return sys.modules[name]
-    found = importlib.util.spec_from_file_location(name, path)
-    if found is None or found.loader is None:
-        raise ImportError(f"builder_path {path!r} is not a Python file")
-    return _exec_module(found, name)
-
-
-def _exec_module(found, name: str):
-    """Run the module of the import spec ``found`` as ``sys.modules[name]`` (removed again if
-    its code raises)."""
-    mod = importlib.util.module_from_spec(found)
-    sys.modules[name] = mod
-    try:
-        found.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return mod
-
-
-def host_builder(name: str, path: str = "") -> Callable:
-    """The user function named by ``builder = "module:function"`` (a ValueError naming it if
-    it cannot be had). A builder is user code: importing its module runs that module.
-
-    The module is imported from an installed package, i.e. ``sys.path`` without the current
-    directory (so a file that happens to lie where the command runs is never imported), or,
-    with ``path`` (the spec's ``builder_path``), from that file.
-    """
-    module, _, attr = name.partition(":")
-    try:
-        mod = _import_file(module, path) if path else _import_installed(module)
-        fn = getattr(mod, attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"[system] builder {name!r}: cannot import it ({exc})") from None
-    except Exception as exc:          # user code: any failure while importing it is one line naming it
-        raise ValueError(f"[system] builder {name!r}: importing it failed ({type(exc).__name__}: {exc})") from None
-    if not callable(fn):
-        raise ValueError(f"[system] builder {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
 def spec_builder(spec) -> Callable:
     """The custom builder of a spec (its ``builder_path`` relative to the spec's folder)."""
-    from .spec import _builder_file
-    return host_builder(spec.system["builder"], _builder_file(spec.system.get("builder_path", ""), spec.source))
+    return host_builder(spec.system["builder"], builder_file(spec.system.get("builder_path", ""), spec.source))
 
 
 def call_builder(fn: Callable, point: Dict[str, Any], seeds, spec) -> "Systems":
@@ -305,12 +229,6 @@ def call_builder(fn: Callable, point: Dict[str, Any], seeds, spec) -> "Systems":
 
 # ------------------------------------------------------------------ model sweeps
 
-@functools.lru_cache(maxsize=2)
-def _model(name: str):
-    from ..models.load import load
-    return load(name)
-
-
 @functools.lru_cache(maxsize=4)
 def _model_inputs(name: str, prompts: Tuple[str, ...]):
     from ..models.embed import embed
@@ -321,27 +239,6 @@ def _model_inputs(name: str, prompts: Tuple[str, ...]):
 @functools.lru_cache(maxsize=256)
 def _model_spectrum(name: str, layer: int):
     return spectra_of(_model(name).layers.shared(layer, 1))
-
-
-def model_layers(spec) -> list:
-    """The layers a [model] sweep iterates, as 0-based layer numbers: its list, each checked and
-    a negative index counted from the end as in Python (-1: the last layer), or every unique
-    layer for ``"all"`` (the model is loaded: cached). The sweep's rows, table, figures and
-    report carry these numbers, so ``layers = [-1]`` gives rows of layer U - 1, not -1."""
-    name, layers, source = spec.model["name"], spec.model["layers"], spec.source
-    U = _model(name).layers.n_unique
-    if layers == "all":
-        return list(range(U))
-    out = []
-    for layer in layers:
-        if not -U <= layer < U:
-            raise ValueError(f"{source}: [model] layers: layer {layer} does not exist ({name} has {U} unique layers: "
-                             f"0..{U - 1}, or -{U}..-1 counted from the last)")
-        number = layer % U
-        if number in out:
-            raise ValueError(f"{source}: [model] layers: {list(layers)} names layer {number} twice")
-        out.append(number)
-    return out
 
 
 def check_model(spec) -> Dict[str, int]:
@@ -359,46 +256,45 @@ def check_model(spec) -> Dict[str, int]:
             "kv_heads": cfg.n_kv_heads}
 
 
-HEADER_BYTES = 1 << 20
-"""Bytes of a file's head hashed when its format has no header to find (a pickle's zip)."""
+HASH_BLOCK = 1 << 23
+"""Bytes read at a time when a checkpoint file is hashed: memory stays bounded by this."""
 
 
-def _file_identity(path: str) -> Dict[str, Any]:
-    """size, mtime_ns and the sha256 of the file's header: a safetensors JSON header, a GGUF
-    file's metadata and tensor table, a zip's (pytorch_model.bin) central directory, a small
-    file's whole content."""
+def _file_identity(path: str, update: Callable[[int], Any] = lambda n: None) -> Dict[str, Any]:
+    """size, mtime_ns and the sha256 of the file's whole content (tensor data included), read
+    in blocks of :data:`HASH_BLOCK` bytes; ``update(n)`` is told of every n bytes read."""
     st = os.stat(path)
+    digest, buf = hashlib.sha256(), bytearray(HASH_BLOCK)
+    view = memoryview(buf)
     with open(path, "rb") as fh:
-        if path.endswith(".safetensors") and st.st_size >= 8:
-            (n,) = _struct.unpack("<Q", fh.read(8))
-            fh.seek(0)
-            head = fh.read(8 + min(n, st.st_size))
-        elif path.endswith(".gguf"):
-            from ..models.gguf_llama import GGUFFile
-            end = int(getattr(GGUFFile(path).reader, "data_offset", HEADER_BYTES))
-            head = fh.read(end)
-        elif path.endswith(".bin") and st.st_size > HEADER_BYTES:
-            fh.seek(st.st_size - HEADER_BYTES)            # a zip's directory (names, sizes, CRCs) is at its end
-            head = fh.read()
-        else:
-            head = fh.read(HEADER_BYTES)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": hashlib.sha256(head).hexdigest()}
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+            update(n)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
 
 
-def checkpoint_identity(name: str) -> Dict[str, Dict[str, Any]]:
+def checkpoint_identity(name: str, progress: bool = False) -> Dict[str, Dict[str, Any]]:
     """What identifies the checkpoint of a [model] sweep, file by file (config, tokenizer and
-    weights; see :func:`_file_identity`), so that a sweep never resumes across a changed
-    checkpoint at the same path."""
+    weights; see :func:`_file_identity`): every byte is hashed, so a sweep never resumes across
+    a changed checkpoint at the same path, even one with the same shapes, size and mtime.
+    Hashing reads the whole checkpoint once (about 0.5 GB/s); with ``progress``, a bar on
+    standard error shows it when the files exceed 256 MB."""
+    from tqdm.auto import tqdm
     from ..models.load import resolve
     path = resolve(name)
     if os.path.isfile(path):
-        return {os.path.basename(path): _file_identity(path)}
-    out = {}
-    for entry in sorted(os.listdir(path)):
-        full = os.path.join(path, entry)
-        if os.path.isfile(full) and (entry.endswith((".safetensors", ".bin", ".gguf", ".json", ".model", ".txt"))):
-            out[entry] = _file_identity(full)
-    return out
+        files = {os.path.basename(path): path}
+    else:
+        files = {entry: os.path.join(path, entry) for entry in sorted(os.listdir(path))
+                 if os.path.isfile(os.path.join(path, entry))
+                 and entry.endswith((".safetensors", ".bin", ".gguf", ".json", ".model", ".txt"))}
+    total = sum(os.path.getsize(f) for f in files.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"hashing {os.path.basename(path)}", leave=False,
+              disable=not progress or total < (256 << 20)) as bar:
+        return {entry: _file_identity(full, bar.update) for entry, full in files.items()}
 
 
 def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:

@@ -1,4 +1,5 @@
-"""Many processes, one sweep: JAX's own multi-controller runtime (``jax.distributed``).
+"""Many processes, one sweep: the start-up of JAX's own multi-controller runtime
+(``jax.distributed``).
 
 * :func:`initialize` starts this process's part: from an explicit coordinator
   (``--coordinator HOST:PORT --num-processes N --process-id I``) or from what
@@ -10,13 +11,11 @@
   ``--process-id`` given twice or another program on the port, on which JAX's coordination
   service would abort the process, is a ValueError naming the address and what was expected,
   within about ``--init-timeout`` seconds.
-* :func:`spawn` is ``--processes N``: it starts N local workers on 127.0.0.1 itself
-  (``python -m powerlens.cli sweep ... --process-id i``), watches them, and stops them all
-  when one fails (finished chunks are kept: the same command resumes).
 
-How the work is divided is the engine's business (:mod:`powerlens.sweeps.engine`):
-chunk j goes to process j mod N, each process writes its chunks into the shared folder,
-process 0 merges after a barrier.
+``--processes N`` (N local workers) is :func:`powerlens.runtime.workers.spawn`. How the work
+is divided is the sweep engine's business (:mod:`powerlens.sweeps.engine`): chunk j goes to
+process j mod N, each process writes its chunks into the shared folder, process 0 merges
+after a barrier.
 """
 from __future__ import annotations
 
@@ -24,12 +23,9 @@ import errno
 import math
 import os
 import selectors
-import signal
 import socket
-import subprocess
-import sys
 import time
-from typing import List, Optional, Sequence
+from typing import Optional
 
 ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 
@@ -360,7 +356,8 @@ failure: the handshake already found every process there)."""
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, *, timeout: float = 60.0) -> bool:
     """Start this process's part of a multi-process sweep; False if there is only one process.
-    The caller (the command line) starts XLA after it, with :func:`start_xla`.
+    The caller (the command line) starts XLA after it, with
+    :func:`powerlens.runtime.threads.start_xla`.
 
     With a coordinator (given, or from ``JAX_COORDINATOR_ADDRESS``), the processes first meet
     at its address (:func:`rendezvous`), so that a mismatch is a ValueError naming the address
@@ -403,154 +400,3 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false"
-"""The XLA_FLAGS that turn off Eigen's intra-op threads: all of XLA's CPU threads in older
-jaxlibs, only some in jax 0.10, whose backend sizes its thread pool (XNNPACK's, which runs the
-dots) from the process's CPU affinity when it starts: :func:`start_xla` does that part."""
-
-XLA_THREADS = "POWERLENS_XLA_THREADS"
-"""The environment variable that asks :func:`start_xla` for one XLA thread ("1")."""
-
-
-def chooses_threads(flags: str, env: Optional[dict] = None) -> bool:
-    """Whether XLA_FLAGS ``flags``, or :data:`XLA_THREADS` in ``env``, already set XLA's CPU
-    threads (the user's choice wins)."""
-    return "multi_thread_eigen" in flags or XLA_THREADS in (env or {})
-
-
-def worker_env(n: int, cores: Optional[int] = None, base: Optional[dict] = None) -> dict:
-    """The environment of N local workers on one CPU host: with N >= the cores, each worker's
-    XLA runs single-threaded (:data:`SINGLE_THREAD_XLA` and :data:`XLA_THREADS` = 1, which
-    :func:`start_xla` reads), else every worker's thread pool would span all the cores and N
-    workers would only share them (measured with jax 0.4: 2 workers on 2 cores were no faster
-    than one process; single-threaded, 1.77x). The user's XLA_FLAGS thread choice, or their
-    own :data:`XLA_THREADS`, win. ``base``: the environment to start from (default
-    ``os.environ``; it is copied, never changed). That the numbers do not change with the
-    process count is :func:`same_numbers_xla`'s work, which every ``powerlens sweep`` process
-    applies to its own environment."""
-    env = dict(os.environ if base is None else base)
-    cores = cores or os.cpu_count() or 1
-    if n >= cores and same_numbers_xla(env):                # SINGLE_THREAD_XLA, unless the user chose
-        env[XLA_THREADS] = "1"
-    return env
-
-
-def same_numbers_xla(env: dict) -> bool:
-    """Turn Eigen's intra-op threads off in the environment ``env`` (a dict, changed in place:
-    :data:`SINGLE_THREAD_XLA` added to its XLA_FLAGS, read when a backend starts) unless the
-    user's XLA_FLAGS or :data:`XLA_THREADS` chose XLA's threads already; whether it did. Only
-    the command line applies it to ``os.environ`` (before the backend starts,
-    :func:`~powerlens.dynamics.execution.backends_initialized`).
-
-    ``powerlens sweep`` applies it in every process, one or many, so that a sweep's numbers do
-    not depend on how many processes, and so how many threads each, computed them: with
-    Eigen's threads on, XLA's CPU results changed in the last bits with the thread count
-    (seen on an AMD EPYC family 25 machine with jax 0.10.2: 2 threads against 1 moved
-    final_gamma by 2.4e-7, and mean_rho, a share of steps decided by near-ties, by 0.48);
-    with them off, one process (two cores for the dots, which XNNPACK runs) and two
-    single-threaded workers gave the same results.parquet, byte for byte. The ops that moved
-    are the small batched dots (e.g. "f32[8 4 4]") that XLA runs through Eigen, not XNNPACK.
-    The cost, one process on 2 cores, alternating runs: the test suite's 128-system sweep ran
-    at 98-105 systems/s against 88 with Eigen's threads, a 256-system d = 64 sweep at 56-77
-    against 61-81 (this machine's noise is as wide). From Python (``pl.sweep``), set
-    ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` before JAX starts for the same guarantee."""
-    flags = env.get("XLA_FLAGS", "")
-    if chooses_threads(flags, env):
-        return False
-    env["XLA_FLAGS"] = (flags + " " + SINGLE_THREAD_XLA).strip()
-    return True
-
-
-def start_xla(env: Optional[dict] = None) -> bool:
-    """When ``env`` (default ``os.environ``) has :data:`XLA_THREADS` = 1, start this process's
-    JAX backend now, on one CPU thread. jax 0.10's CPU backend sizes its thread pool from the
-    CPU affinity at the moment it starts, and ignores the XLA flags that used to set it; so the
-    process is held to one core while the backend starts, then every thread of it is given all
-    of its cores back (a thread keeps the affinity it was born with): the one XLA thread then
-    runs wherever the OS puts it. Measured on this project's 2-core machine, a 2048^3 matmul:
-    CPU time / wall time 1.00 after this, 1.95 with ``--xla_cpu_multi_thread_eigen=false``.
-
-    Called only by the entry points (``powerlens sweep``, ``powerlens reproduce`` and their
-    workers). Returns True when XLA now runs one thread by this call; False when not asked, when a
-    backend had already started (it keeps its threads), or where the OS has no CPU affinity
-    (macOS, Windows: XLA keeps its threads there)."""
-    env = os.environ if env is None else env
-    if env.get(XLA_THREADS) != "1" or not hasattr(os, "sched_setaffinity"):
-        return False
-    from ..dynamics.execution import backends_initialized
-    if backends_initialized():
-        return False
-    import jax
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {min(allowed)})
-    try:
-        jax.devices()
-    finally:
-        # every thread, not only this one: the backend's threads were born with the one core
-        for tid in _threads():
-            try:
-                os.sched_setaffinity(tid, allowed)
-            except OSError:                    # a thread that has ended since
-                pass
-    return True
-
-
-def _threads() -> List[int]:
-    """This process's thread ids (Linux: /proc/self/task; else this thread only, as 0)."""
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return [0]
-
-
-def spawn(argv: Sequence[str], n: int, *, quiet_others: bool = True) -> int:
-    """``--processes N``: run ``powerlens sweep ARGV`` as N local workers; their exit status.
-
-    Worker 0 serves the coordinator on a free 127.0.0.1 port. When a worker fails the
-    others are stopped and the first failure's status returned.
-    """
-    port = free_port()
-    procs: List[subprocess.Popen] = []
-    env = worker_env(n)
-    for i in range(n):
-        cmd = [sys.executable, "-m", "powerlens.cli", "sweep", *argv, "--coordinator", f"127.0.0.1:{port}",
-               "--num-processes", str(n), "--process-id", str(i)]
-        if quiet_others and i > 0:
-            cmd.append("--quiet")
-        procs.append(subprocess.Popen(cmd, env=env))
-    print(f"powerlens sweep: {n} workers on 127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in procs)}",
-          flush=True)
-    failed = None
-    try:
-        while failed is None and any(p.poll() is None for p in procs):
-            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
-            time.sleep(0.1)
-        failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
-    except KeyboardInterrupt:
-        failed = -1
-    if failed is not None:
-        _stop(procs)
-        if failed >= 0:
-            code = procs[failed].returncode
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            print(f"powerlens sweep: worker {failed} {how}; the others were stopped. Finished chunks are kept: "
-                  f"run the same command again to resume", file=sys.stderr, flush=True)
-            return code if code > 0 else 1
-        return 130
-    return 0
-
-
-def _stop(procs: List[subprocess.Popen]) -> None:
-    """Stop the workers still running (by pid, the ones this launcher started)."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.time() + 5
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
