@@ -10,6 +10,14 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+# One persistent XLA compilation cache per test process (and the subprocesses it starts), never
+# the user's shared one: an entry read while another process wrote it crashed a worker inside
+# jax's cache read (a segmentation fault in compilation_cache.get_executable_and_time).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    import tempfile as _tempfile
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _tempfile.mkdtemp(prefix="powerlens-test-xla-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
