@@ -140,9 +140,8 @@ def tiny_llama(seed: int = 0):
     layers = make_layers(W_v=r(U, G, e, d), W_o=r(U, d, H * e), W_q=r(U, H, e, d), W_k=r(U, G, e, d),
                          W_in=r(U, f, d), W_gate=r(U, f, d), W_out=r(U, d, f), norm_scale=one(U, d),
                          ffn_norm_scale=one(U, d), config=cfg)
-    layers = layers.replace(**{k: getattr(layers, k).astype(jnp.float32) for k in layers.__dataclass_fields__
-                               if k != "config" and getattr(layers, k) is not None
-                               and jnp.issubdtype(getattr(layers, k).dtype, jnp.floating)})
+    layers = layers.replace(**{k: a.astype(jnp.float32) for k, a in layers.arrays().items()
+                               if jnp.issubdtype(a.dtype, jnp.floating)})
     return Model(layers=layers, embeddings={"word": jnp.asarray(3.0 * r(vocab, d))},
                  final_norm_scale=jnp.asarray(one(d)),
                  info=ModelInfo(family="llama", source="", decoder=True, pad_token_id=0))

@@ -157,8 +157,7 @@ def torch_layers(layers):
     """The unique layers' arrays as torch tensors, one dict per layer; the scalar attention
     scale as a Python float (SDPA takes a float: a tensor's ``.item()`` is a graph break
     under ``torch.compile``)."""
-    names = [k for k in layers.__dataclass_fields__ if k != "config"]
-    arrs = {k: np.asarray(getattr(layers, k)) for k in names if getattr(layers, k) is not None}
+    arrs = {k: np.asarray(a) for k, a in layers.arrays().items()}
     out = [{k: float(v[u]) if k == "scale" else torch.from_numpy(np.array(v[u])) for k, v in arrs.items()}
            for u in range(layers.n_unique)]
     for p in out:                       # the fused projection a researcher writes: one (d, (H+2G) e) matmul

@@ -37,7 +37,9 @@ command line starts fast; ``dir(pl)`` and ``pl.__all__`` list them all.
 """
 from __future__ import annotations
 
-import importlib
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ _EXPORTS = {
         "Dynamics", "run", "run_batch", "Observer", "Step", "alignment", "consensus", "states", "final", "finite",
         "Schedule",
         "Alignment", "Consensus", "Trajectory", "simulate", "simulate_batch", "pooled")},
+    **{n: ("powerlens.dynamics.parts", n) for n in ("Attention", "Norms", "FFN")},     # the parts of Layers
     **{n: ("powerlens.dynamics.synthetic", n) for n in (
         "synthetic_system", "spectrum_matrix", "parse_spectrum", "sphere_tokens", "cone_tokens",
         "bipartite_tokens")},
@@ -67,6 +70,7 @@ _EXPORTS = {
         "load", "resolve", "embed", "embed_ids", "tokenize", "hidden_states", "logits", "run_states",
         "Model", "ModelInfo", "CheckpointError")},
     "HiddenStates": ("powerlens.models.forward", "HiddenStates"),
+    **{n: ("powerlens.models.npz", n) for n in ("load_weights_npz", "save_weights_npz")},   # --weights files
     **{n: ("powerlens.models.generate", n) for n in ("generate", "Generation")},
     **{n: ("powerlens.models.shard", n) for n in ("shard", "shard_prompts")},
     "model_mesh": ("powerlens.dynamics.execution", "model_mesh"),
@@ -91,17 +95,36 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
+if TYPE_CHECKING:        # what IDEs and type checkers see: the names of _EXPORTS, imported eagerly
+    # (tests/test_api_surface.py keeps the two equal)
+    from .dynamics import (alignment, Alignment, ATTENTION_MODES, attention_output, consensus, Consensus,
+        constant_term, Dynamics, faithful_rule, final, finite, Layer, layer_factors, layer_matrices,
+        layer_step, LayerConfig, Layers, make_layers, null_subspaces, Observer, pooled, REFERENCES, RULES, run,
+        run_batch, Schedule, simulate, simulate_batch, states, Step, Subspaces, Trajectory, value_matrix)
+    from .dynamics.parts import (Attention, FFN, Norms)
+    from .dynamics.synthetic import (bipartite_tokens, cone_tokens, parse_spectrum, spectrum_matrix,
+        sphere_tokens, synthetic_system)
+    from .dynamics.observers import (attention_maps, head_weights, labelled)
+    from .dynamics.sweep import (simulate_sweep, stack_systems)
+    from .sweeps.api import (load_sweep, sweep, sweep_system, SweepSystem)
+    from .sweeps.columns import (fit_rates)
+    from .models import (CheckpointError, embed, embed_ids, hidden_states, load, logits, Model, ModelInfo,
+        resolve, run_states, tokenize)
+    from .models.forward import (HiddenStates)
+    from .models.npz import (load_weights_npz, save_weights_npz)
+    from .models.generate import (generate, Generation)
+    from .models.shard import (shard, shard_prompts)
+    from .dynamics.execution import (model_mesh)
+    from .models.tokens import (decode, top_tokens, TopToken)
+    from .analysis import (align_model as align, align_model, AlignResult, binomial_pvalue, chance_gamma,
+        chance_gamma_std, layer_spectra, LayerSpectrum, model_spectra, ORDERS, plots, random_subspace,
+        reference_subspaces, run_system, spectra_json, spectra_of, sweep_subspaces)
+    from .analysis.trace import (trace, Trace)
+    from .steering import (alignment_alpha, AlignmentObjective, checkpoint_delta, CONTROL_PROMPTS, Direction,
+        edit_effects, entering_states, forward_final, minimal_alpha, MinimalAlpha, optimize_steering,
+        output_effects, parse_direction, principal_alpha, rank1, Rank1Result, steered_model, SteeringConfig,
+        SteeringResult, TokenObjective, TokenSteeringResult)
+    from .steering.edit_file import (apply_edit, Edit, load_edit, make_edit, save_edit)
 
-def __getattr__(name: str):
-    try:
-        module, attr = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module 'powerlens' has no attribute {name!r}") from None
-    value = importlib.import_module(module)
-    value = value if attr is None else getattr(value, attr)
-    globals()[name] = value            # resolved once
-    return value
 
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

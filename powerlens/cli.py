@@ -39,6 +39,11 @@ ATTENTION_MODES = ("softmax", "uniform", "identity")
 RULES = ("paper", "post_ln", "pre_ln", "full")
 ORDERS = ("shifted", "plain")
 
+# pl.load's storage dtypes and matmul precisions offered on the command line (a subset of
+# powerlens.models.reader.FLOAT_NAMES and powerlens.dynamics.params.PRECISIONS; the tests check it)
+DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("highest", "high", "default")
+
 SEED_LIMIT = 2 ** 31          # powerlens.dynamics.synthetic.SEED_LIMIT (a sweep row's int32 seed)
 STEER_DESCRIPTION = """\
 steer moves one layer of a model (or an explicit system) toward a direction u.
@@ -77,6 +82,15 @@ def _model_source(p: argparse.ArgumentParser, *, optional: bool) -> None:
     p.add_argument("model", nargs="?" if optional else None, help=MODEL_HELP)
     p.add_argument("--allow-download", action="store_true",
                    help="fetch a hub id missing from the local Hugging Face cache (needs network; off by default)")
+
+
+def _weights_dtype(p: argparse.ArgumentParser) -> None:
+    """MODEL's ``--dtype`` and ``--precision``, passed to ``pl.load(dtype=, precision=)``."""
+    p.add_argument("--dtype", default=None, metavar="|".join(DTYPES),
+                   help="with MODEL: hold the weights in this dtype (default: the checkpoint's own; bf16 stays "
+                        "bf16); each step computes in float32, one layer cast at a time")
+    p.add_argument("--precision", default=None, metavar="|".join(PRECISIONS),
+                   help="with MODEL: matmul precision of each step (default highest: full float32, never TF32)")
 
 
 def _output(p: argparse.ArgumentParser, *, default=None,
@@ -130,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("spectrum", help="spectra of every layer's F_t = O_t V_t, both orderings")
     _model_source(p, optional=True)
+    _weights_dtype(p)
     _system_source(p)
     p.add_argument("--x64", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -139,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("align", help="gamma_t and rho_t of a pretrained model on your prompts")
     _model_source(p, optional=False)
+    _weights_dtype(p)
     _prompt_options(p)
     p.add_argument("--rule", choices=["paper", "faithful"], default="paper",
                    help="paper: x<-N2(x+Attn x); faithful: the model's own norm placement (post_ln or pre_ln)")
@@ -152,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("steer", help="steer a layer toward a direction or a next token; save and apply edits",
                        description=STEER_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     _model_source(p, optional=True)
+    _weights_dtype(p)
     p.add_argument("--weights", metavar="NPZ", help="an explicit system instead of MODEL (with --init)")
     p.add_argument("--init", metavar="NPY", help="initial tokens for --weights")
     p.add_argument("--direction", help="token:WORD, a .npy vector, or random (needed unless --apply)")
@@ -237,8 +254,12 @@ def _spectrum(args):
 
 
 def _align(args):
-    from .commands.models import cmd_align
-    return cmd_align(args)
+    from .runtime.figures import FigureProcess
+    # forked before JAX is imported: the child imports the drawing modules on the other core
+    # while this process loads the model and computes, then draws the figures
+    with FigureProcess(["powerlens.analysis.alignment"]) as figures:
+        from .commands.models import cmd_align
+        return cmd_align(args, figures=figures)
 
 
 def check_seed(args) -> None:
@@ -286,6 +307,7 @@ def check_options(args) -> None:
     if cmd == "steer":
         check_steer_options(args)
     check_model_name(getattr(args, "model", None), getattr(args, "allow_download", False))
+    check_weights_dtype(args)
     if cmd in ("simulate", "spectrum"):
         if args.weights and args.spectrum:
             raise ValueError("give either --weights or --spectrum, not both")
@@ -318,6 +340,20 @@ def check_options(args) -> None:
         read_toml(args.spec)
     if cmd == "reproduce":
         _positive(args, "--jobs")
+
+
+def check_weights_dtype(args) -> None:
+    """``--dtype`` and ``--precision``, where a command has them: one of :data:`DTYPES` and
+    :data:`PRECISIONS`, and only with MODEL (an explicit system's file keeps its own dtype)."""
+    if not hasattr(args, "precision"):
+        return
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.precision is not None and args.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}")
+    if getattr(args, "weights", None) and (args.dtype is not None or args.precision is not None):
+        raise ValueError(f"{'--dtype' if args.dtype is not None else '--precision'} applies to MODEL, not to "
+                         f"--weights (an explicit system keeps its file's dtype)")
 
 
 def check_steer_options(args) -> None:

@@ -318,3 +318,26 @@ def test_spectrum_figure_numbers_layers_from_0(tmp_path):
     fig = pl.plots.plot_eigenvalues(pl.layer_spectra(F), str(tmp_path / "e.png"), return_fig=True)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.get_title().startswith("layer")]
     assert [t.split(" —")[0] for t in titles] == ["layer 0", "layer 1", "layer 2"]
+
+
+def test_the_type_checking_block_names_exactly_the_exports():
+    """``powerlens/__init__.py`` resolves names lazily (PEP 562) and states them again in an
+    ``if TYPE_CHECKING:`` block, for IDEs and type checkers: the two agree name for name, and
+    every import of the block resolves to the object ``pl.<name>`` gives."""
+    import ast
+    import importlib
+    path = pl.__file__
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    stated = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1, ast.dump(node)
+        module = "powerlens" + ("." + node.module if node.module else "")
+        for alias in node.names:
+            stated[alias.asname or alias.name] = (module, alias.name)
+    assert set(stated) == set(pl._EXPORTS)
+    for name, (module, attr) in stated.items():
+        value = getattr(importlib.import_module(module), attr, None)
+        if value is None:
+            value = importlib.import_module(f"{module}.{attr}")
+        assert value is getattr(pl, name), name

@@ -1,14 +1,13 @@
 """Option values, missing files, unreadable specs and unknown model names are refused before
 any numerical library is imported: one line, exit status 2, and none of jax, scipy,
-matplotlib or transformers in ``sys.modules`` afterwards (each case in a fresh process)."""
+matplotlib or transformers in ``sys.modules`` afterwards (every case in one fresh process, in turn)."""
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from cli_probe import probe
 
 HEAVY = ("jax", "scipy", "matplotlib", "transformers")
 
@@ -42,36 +41,24 @@ CASES = {
     "reproduce --jobs 0 --out o": "--jobs must be a positive integer, got 0",
 }
 
-SCRIPT = """
-import contextlib, io, json, sys
-from powerlens.cli import main
-argv = sys.argv[1]
-err = io.StringIO()
-with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-    try:
-        status = main(argv.split())
-    except SystemExit as exc:
-        status = exc.code
-print(json.dumps([status, err.getvalue().strip().splitlines(), sorted(m for m in {heavy!r} if m in sys.modules)]))
-"""
-
-
-def _run(argv, cwd, env=None):
-    r = subprocess.run([sys.executable, "-c", SCRIPT.format(heavy=HEAVY), argv], capture_output=True, text=True,
-                       cwd=cwd, env=env or dict(os.environ), timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout)
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every case, in one fresh process (run in a folder holding bad.toml): argv -> (status,
+    stderr lines, heavy modules loaded); and that folder."""
+    folder = tmp_path_factory.mktemp("cases")
+    (folder / "bad.toml").write_text("[grid]\nbeta = [1,\n")
+    return probe(list(CASES), HEAVY, cwd=folder), folder
 
 
 @pytest.mark.parametrize("argv", list(CASES))
-def test_bad_values_and_paths_are_refused_before_any_numerical_import(tmp_path, argv):
-    (tmp_path / "bad.toml").write_text("[grid]\nbeta = [1,\n")
-    status, lines, heavy = _run(argv, tmp_path)
+def test_bad_values_and_paths_are_refused_before_any_numerical_import(refused, argv):
+    seen, folder = refused
+    status, lines, heavy = seen[argv]
     command = argv.split()[0]
     assert status == 2 and len(lines) == 1, (argv, lines)
     assert lines[0].startswith(f"powerlens {command}: error: ") and CASES[argv] in lines[0], (argv, lines)
     assert heavy == [], (argv, heavy)
-    assert not (tmp_path / "o").exists()
+    assert not (folder / "o").exists()
 
 
 def test_a_hub_id_in_the_local_cache_and_a_path_are_known(tmp_path):
@@ -84,7 +71,8 @@ def test_a_hub_id_in_the_local_cache_and_a_path_are_known(tmp_path):
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"))
-    status, lines, heavy = _run("align org/tiny --text hi --out o", tmp_path, env)
+    status, lines, heavy = probe(["align org/tiny --text hi --out o"], HEAVY, cwd=tmp_path, env=env)[
+        "align org/tiny --text hi --out o"]
     assert status == 2 and "cannot find model" not in lines[-1], lines
     check_model_name(str(snap))                                   # a path
     check_model_name("minilm")

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "powerlens"
 
 TOP = 5
-LEVELS = {"io": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
+LEVELS = {"io": 0, "lazy": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
           "reproduce": TOP, "commands": TOP, "cli": TOP, "sweeps": TOP,
           "runtime": TOP}           # process concerns; who may import it: tests/test_runtime_package.py
 FACADE = "__init__"           # the unit of the package's own __init__.py

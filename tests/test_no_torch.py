@@ -17,13 +17,15 @@ import pytest
 BLOCKER = os.path.join(os.path.dirname(__file__), "no_torch")
 
 # each command once; the GGUF models (SmolLM2, Gemma 3: loading, the GGUF tokenizer, spectra,
-# alignment and steering) go through reproduce --quick's real-model sections, in its worker
-# processes. Its synthetic sections (the sweep engine, no model) run without torch in
-# test_reproduce.py's kill-and-resume test.
-REAL_MODEL_SECTIONS = ["layer_varying", "shared_real", "steering", "ffn"]
+# alignment and steering) go through `steer smollm2`, `align gemma3` and one of reproduce
+# --quick's real-model sections, in its worker processes. Its synthetic sections (the sweep
+# engine, no model) run without torch in test_reproduce.py's kill-and-resume test; the whole
+# `make reproduce` runs in a venv without torch (README).
+REAL_MODEL_SECTIONS = ["shared_real"]
 COMMANDS = {
     "spectrum-minilm": ["spectrum", "minilm"],
     "align-minilm": ["align", "minilm", "--text", "The cat sat on the mat.", "--quiet"],
+    "align-gemma3": ["align", "gemma3", "--text", "The cat sat on the mat.", "--quiet"],
     "steer-smollm2": ["steer", "smollm2", "--direction", "token:Paris", "--text", "The capital of France is",
                       "--target-alignment", "0.9", "--w", "value"],
     "reproduce-quick": ["reproduce", "--quick", "--sections", *REAL_MODEL_SECTIONS],

@@ -281,7 +281,7 @@ def _safetensors(path, data: bytes):
 
 
 def test_a_checkpoint_with_other_weights_and_a_restored_mtime_is_another_checkpoint(tmp_path, monkeypatch):
-    from powerlens.sweeps import systems
+    from powerlens.sweeps import provenance as systems
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "bert"}')

@@ -228,16 +228,7 @@ def test_sigterm_stops_the_worker_and_the_run_resumes(tmp_path):
 
 # ------------------------------------------------------------------ sweep --processes N
 
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    from test_sweep_engine import KILL
-    path = tmp_path_factory.mktemp("spec") / "spec.toml"
-    path.write_text(KILL)
-    return str(path)
-
-
-def _sweep(spec, out, *extra):
-    return [sys.executable, "-m", "powerlens.cli", "sweep", spec, "--out", str(out), "--quiet", *extra]
+from test_sweep_distributed import _cmd as _sweep, spec  # noqa: E402,F401  (spec: a fixture)
 
 
 @pytest.mark.slow

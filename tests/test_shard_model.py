@@ -105,6 +105,8 @@ for label, m in (("model8", sharded), ("data2_model4", s4)):
         xs, vs = pl.shard_prompts(xs, m4), pl.shard_prompts(vs, m4)
         res["prompt_devices"] = len(xs.sharding.device_set)
         res["prompt_split"] = [s.data.shape[0] for s in xs.addressable_shards]
+        # the prompts stay split: each device computes its own prompt's states ("[T+1 B n d]")
+        res["states_split"] = [s.data.shape[1] for s in pl.run_states(m, xs, vs).addressable_shards]
     cmp(f"{label} run_states", pl.run_states(whole, x0, valid), pl.run_states(m, xs, vs))
     cmp(f"{label} run_states paper", pl.run_states(whole, x0, valid, dynamics=pl.Dynamics()),
         pl.run_states(m, xs, vs, dynamics=pl.Dynamics()))
@@ -197,6 +199,7 @@ def test_every_call_equals_the_unsharded_model(result):
     assert not bad, bad
     assert result["logit_devices"] == 8 and result["sweep_rows"] == 8
     assert result["prompt_devices"] == 8 and result["prompt_split"] == [1] * 8   # 2 prompts over data = 2
+    assert result["states_split"] == [1] * 8
 
 
 def test_one_rule_per_field_and_the_mesh_checks():
@@ -208,8 +211,9 @@ def test_one_rule_per_field_and_the_mesh_checks():
     import jax
     import powerlens as pl
     from powerlens.dynamics import execution
-    from powerlens.dynamics.params import MODEL_SPLIT, Layers
-    fields = {f.name for f in dataclasses.fields(Layers)} - {"config"}
+    from powerlens.dynamics.params import MODEL_SPLIT
+    from powerlens.dynamics.parts import PARTS
+    fields = {name for part in PARTS.values() for name in part.names()}     # every array of every part
     assert set(MODEL_SPLIT) == fields
     n = jax.device_count()
     with pytest.raises(ValueError, match=f"data=2 x model={n} must equal the {n} devices"):

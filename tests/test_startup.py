@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+from cli_probe import probe
 
 HEAVY = ("jax", "transformers", "scipy", "torch")
 
@@ -52,22 +53,8 @@ CASES = {
 def test_help_and_usage_errors_import_no_numerical_library():
     """One fresh process runs every case in turn and reports, after each, the exit status, the
     last line on stderr and which heavy modules are loaded by then."""
-    code = f"""
-import contextlib, io, json, sys
-from powerlens.cli import main
-for argv in {list(CASES)!r}:
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            status = main(argv.split())
-        except SystemExit as exc:
-            status = exc.code
-    lines = err.getvalue().strip().splitlines()
-    print(json.dumps([argv, status, lines[-1] if lines else "", sorted(m for m in {HEAVY!r} if m in sys.modules)]))
-"""
-    r = _python(code)
-    assert r.returncode == 0, r.stderr
-    seen = {argv: (status, last, heavy) for argv, status, last, heavy in map(json.loads, r.stdout.splitlines())}
+    seen = {argv: (status, lines[-1] if lines else "", heavy)
+            for argv, (status, lines, heavy) in probe(list(CASES), HEAVY).items()}
     assert set(seen) == set(CASES)
     for argv, (status, last, heavy) in seen.items():
         assert status == CASES[argv], (argv, status, last)

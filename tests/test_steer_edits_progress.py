@@ -33,6 +33,7 @@ import hf_tiny_decoders as T  # noqa: E402
 from test_steer_token_cli_outputs import CONTROLS, PROMPTS, _write_tokenizer  # noqa: E402
 
 import powerlens as pl  # noqa: E402
+from next_token import last_token_probs  # noqa: E402
 from powerlens.cli import main  # noqa: E402
 
 TARGET_PROB, MAX_KL, LAYER = 0.5, 0.5, 1
@@ -65,17 +66,6 @@ def run(tmp_path_factory):
                 doc=json.loads((out / "steer.json").read_text()), model=pl.load(str(folder)))
 
 
-def _last_probs(model, texts):
-    """p(. | text) "float64[B V]" at each text's last token: run_states (rule full), logits."""
-    x0, valid = pl.embed(model, texts)
-    h = np.asarray(pl.run_states(model, x0, valid, rule="full")[-1])
-    v = np.asarray(valid, bool)
-    last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
-    z = np.asarray(pl.logits(model, h[np.arange(len(last)), last]), np.float64)
-    p = np.exp(z - z.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
-
-
 # ------------------------------------------------------------------ edits as files
 
 def test_round_trip_reproduces_steer_json(run):
@@ -88,14 +78,14 @@ def test_round_trip_reproduces_steer_json(run):
     assert edit.norm == pytest.approx(cond["gradient"]["delta_norm"], rel=1e-6)
     np.testing.assert_array_equal(edit.delta_O, np.load(run["out"] / "delta_O.npy"))   # the same edit
     steered = pl.apply_edit(model, edit)
-    p = _last_probs(steered, PROMPTS)[:, tid]
+    p = last_token_probs(steered, PROMPTS)[:, tid]
     np.testing.assert_allclose(p, cond["gradient"]["target_prob"], atol=1e-4)
     assert np.all(p >= TARGET_PROB - 1e-4)
     assert pl.generate(steered, PROMPTS, max_new_tokens=12).text == cond["gradient"]["continuation"]
     # the path works too, and the activation-addition vector round-trips the same way
     act = pl.load_edit(run["out"] / "edit_activation_addition.npz")
     assert act.kind == "activation" and act.vector.shape == (model.layers.config.d_model,)
-    p_act = _last_probs(pl.apply_edit(model, str(run["out"] / "edit_activation_addition.npz")), PROMPTS)[:, tid]
+    p_act = last_token_probs(pl.apply_edit(model, str(run["out"] / "edit_activation_addition.npz")), PROMPTS)[:, tid]
     np.testing.assert_allclose(p_act, cond["activation_addition"]["target_prob"], atol=1e-4)
 
 

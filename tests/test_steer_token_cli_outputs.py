@@ -22,6 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import powerlens as pl  # noqa: E402
+from next_token import last_token_probs  # noqa: E402
 from powerlens.steering.token import CONTROL_PROMPTS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -74,17 +75,6 @@ def run(tmp_path_factory):
                 delta=np.load(out / "delta_O.npy"))
 
 
-def _last_probs(model, texts):
-    """p(. | text) at each text's last valid token: run_states (rule full), then logits."""
-    x0, valid = pl.embed(model, texts)
-    h = np.asarray(pl.run_states(model, x0, valid, rule="full")[-1])
-    v = np.asarray(valid, bool)
-    last = v.shape[1] - 1 - np.argmax(v[:, ::-1], axis=1)
-    z = np.asarray(pl.logits(model, h[np.arange(len(last)), last]), np.float64)
-    p = np.exp(z - z.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
-
-
 def _kl(p, q):
     return np.sum(p * (np.log(p) - np.log(q)), axis=-1)
 
@@ -104,12 +94,12 @@ def test_controls_and_paraphrase_files_are_the_prompts_used(run):
         assert len(para["target_prob"]) == len(PARAPHRASES), name
         assert para["target_prob_mean"] == pytest.approx(np.mean(para["target_prob"]), abs=1e-12)
     steered = pl.steered_model(model, delta, LAYER)
-    np.testing.assert_allclose(_last_probs(model, PARAPHRASES)[:, tid], conds["before"]["paraphrases"]["target_prob"],
+    np.testing.assert_allclose(last_token_probs(model, PARAPHRASES)[:, tid], conds["before"]["paraphrases"]["target_prob"],
                                atol=1e-4)
-    np.testing.assert_allclose(_last_probs(steered, PARAPHRASES)[:, tid],
+    np.testing.assert_allclose(last_token_probs(steered, PARAPHRASES)[:, tid],
                                conds["gradient"]["paraphrases"]["target_prob"], atol=1e-3)
-    kl_file = _kl(_last_probs(model, CONTROLS), _last_probs(steered, CONTROLS)).mean()
-    kl_default = _kl(_last_probs(model, list(CONTROL_PROMPTS)), _last_probs(steered, list(CONTROL_PROMPTS))).mean()
+    kl_file = _kl(last_token_probs(model, CONTROLS), last_token_probs(steered, CONTROLS)).mean()
+    kl_default = _kl(last_token_probs(model, list(CONTROL_PROMPTS)), last_token_probs(steered, list(CONTROL_PROMPTS))).mean()
     assert conds["gradient"]["control_kl_mean"] == pytest.approx(kl_file, rel=1e-2, abs=1e-4)
     assert abs(kl_file - kl_default) > 0.05 * kl_file           # the check tells the two sets apart
     assert conds["gradient"]["control_kl_mean"] <= MAX_KL + 1e-3
@@ -125,10 +115,10 @@ def test_layer_option_edits_that_layer(run):
     assert delta.shape == (model.layers.config.d_model, model.layers.W_o.shape[-1])
     tid = doc["effects"]["target_id"]
     grad = doc["effects"]["conditions"]["gradient"]
-    p = _last_probs(pl.steered_model(model, delta, LAYER), PROMPTS)[:, tid]
+    p = last_token_probs(pl.steered_model(model, delta, LAYER), PROMPTS)[:, tid]
     np.testing.assert_allclose(p, grad["target_prob"], atol=1e-3)
     assert np.all(p >= TARGET_PROB - 1e-3)
-    wrong = _last_probs(pl.steered_model(model, delta, N_LAYERS - 1), PROMPTS)[:, tid]
+    wrong = last_token_probs(pl.steered_model(model, delta, N_LAYERS - 1), PROMPTS)[:, tid]
     assert np.max(np.abs(wrong - p)) > 1e-2
     # beta: ||change of layer 1's output||_F over the prompts' valid tokens (state index layer + 1)
     x0, valid = pl.embed(model, PROMPTS)
@@ -177,7 +167,7 @@ def test_every_condition_has_every_measure(run):
     assert conds["closed_form_token_alpha"]["reaches_target_prob"]
     assert min(conds["closed_form_token_alpha"]["target_prob"]) >= TARGET_PROB - 1e-3
     # the top-5 of the gradient edit, recomputed
-    p = _last_probs(pl.steered_model(model, delta, LAYER), PROMPTS)
+    p = last_token_probs(pl.steered_model(model, delta, LAYER), PROMPTS)
     for b in range(len(PROMPTS)):
         assert [t["id"] for t in grad["topk"][b]] == list(np.argsort(-p[b])[:5])
         assert grad["target_rank"][b] == 1 + int(np.sum(p[b] > p[b, tid]))

@@ -35,8 +35,6 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from .experiment import chunk_steps
-
 ROW_BYTES = 4096
 """Peak bytes per state of one ordering's rows: a dict of 15 numbers, its JSON and CSV text."""
 
@@ -90,7 +88,11 @@ def run_estimate(*, steps: int, batch: int, tokens: int, d: int, heads: int, d_h
     """The parts of a measured run (module docstring); Python ints, so 10⁹ steps never overflow."""
     T, B, n, s = int(steps), int(batch), int(tokens), int(itemsize)
     A = B if attention_batch is None else int(attention_batch)
-    c = chunk_steps(max(T, 1)) if steps_per_chunk is None else int(steps_per_chunk)
+    if steps_per_chunk is None:
+        from .experiment import chunk_steps      # here, not at the top: this module stays free of JAX
+        c = chunk_steps(max(T, 1))
+    else:
+        c = int(steps_per_chunk)
     G = heads if kv_heads is None else kv_heads
     attention = A * (3 * heads * n * n + 2 * n * (heads + 2 * G) * d_head + 4 * n * d) * s
     parts = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import sys
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -340,7 +341,10 @@ def run_system(layers: Layers, X0, valid=None, *, dynamics: Optional[Dynamics] =
     :class:`~powerlens.dynamics.options.Dynamics` (default ``Dynamics()``, the paper's rule);
     ``rule``, ``attention``, ``keep_bias``: deprecated, its fields as loose keywords.
     """
-    from tqdm.auto import tqdm
+    if "ipykernel" in sys.modules:      # a notebook's widget bar
+        from tqdm.auto import tqdm
+    else:                               # tqdm.auto would import asyncio (about 0.05 s) for nothing
+        from tqdm import tqdm
 
     dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="run_system").resolved(layers.config)
     check_order(order)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -307,8 +308,16 @@ def host_layer_matrices(layers: Layers):
     """(F, factors) of every unique layer on the host, what :func:`layer_spectra` takes: the
     NumPy arrays of F "float[U d d]" (:func:`~powerlens.dynamics.params.layer_matrices`) and of
     its factors A "float[U d r]", B "float[U r d]" (:func:`~powerlens.dynamics.params.layer_factors`).
-    After this, computing the spectra runs no JAX (so it may run in another thread)."""
-    return np.asarray(layer_matrices(layers)), tuple(np.asarray(m) for m in layer_factors(layers))
+    After this, computing the spectra runs no JAX (so it may run in another thread). One
+    compiled program (:func:`_layer_arrays`): one cache read, where the eager ops cost one each."""
+    F, factors = _layer_arrays(layers)
+    return np.asarray(F), tuple(np.asarray(m) for m in factors)
+
+
+@jax.jit
+def _layer_arrays(layers: Layers):
+    """(F, (A, B)) of :func:`host_layer_matrices`, jitted (the same bits as the eager ops)."""
+    return layer_matrices(layers), layer_factors(layers)
 
 
 def spectra_of(layers: Layers, *, group_rtol: float = GROUP_RTOL) -> List[LayerSpectrum]:
@@ -399,7 +408,9 @@ def reference_subspaces(spectra: List[LayerSpectrum], *, order: str = "shifted",
         for u, b in enumerate(refs[name]):
             basis[u, r, :, : b.shape[1]] = b
             dim[u, r] = b.shape[1]
-    return Subspaces(basis=jnp.asarray(basis, dtype), dim=jnp.asarray(dim), names=REFERENCES)
+    # device_put of host arrays: jnp.asarray would compile (or read from the cache) a copy program
+    basis = jax.device_put(basis.astype(np.float32)) if np.dtype(dtype) == np.float32 else jnp.asarray(basis, dtype)
+    return Subspaces(basis=basis, dim=jax.device_put(dim), names=REFERENCES)
 
 
 def sweep_subspaces(systems: Sequence[Layers], *, order: str = "shifted", seed: int = 0):

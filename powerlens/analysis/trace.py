@@ -181,7 +181,9 @@ def trace(model, prompts: Sequence, *, dynamics: Optional[Dynamics] = None, orde
     if len(spectra) != layers.n_unique:
         raise ValueError(f"spectra has {len(spectra)} layers, the model {layers.n_unique} unique layers")
     subs = reference_subspaces(spectra, order=order, seed=seed, dtype=layers.dtype)
-    out = _trace_batch(layers, X0, valid, subs, prepared_projections(layers, "softmax"),
+    # weights held in another dtype than the compute dtype are cast a layer at a time: no (in, out) copies
+    proj = prepared_projections(layers, "softmax") if layers.dtype == layers.storage_dtype else None
+    out = _trace_batch(layers, X0, valid, subs, proj,
                        rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
                        chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
     all_states = out.pop("states")          # steps-first "float[T+1 B n d]": the Trace's own

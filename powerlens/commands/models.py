@@ -1,12 +1,13 @@
 """``powerlens spectrum MODEL`` and ``powerlens align MODEL``."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Callable, List
 
 from .. import io
-from ..analysis.alignment import align_model, model_spectra, spectra_by_layer, whole_stack_fits
+from ..analysis.alignment import AlignResult, align_model, model_spectra, spectra_by_layer, whole_stack_fits
 from ..analysis.spectra import LAYER_FIELDS, ORDERS, host_layer_matrices, layer_spectra, spectra_json
 from ..dynamics.options import Dynamics
 from ..dynamics.params import check_steps
@@ -64,6 +65,13 @@ def dtypes_json(model) -> dict:
             "precision": layers.config.precision}
 
 
+def load_options(args) -> dict:
+    """``pl.load``'s keywords from a command's options: ``--allow-download``, ``--dtype`` (None:
+    the checkpoint's own) and ``--precision`` (default ``highest``); compute stays float32."""
+    return {"allow_download": getattr(args, "allow_download", False), "dtype": getattr(args, "dtype", None),
+            "precision": getattr(args, "precision", None) or "highest"}
+
+
 class Done:
     """A value already computed, with :class:`InBackground`'s ``result()``."""
 
@@ -103,7 +111,7 @@ def cmd_spectrum_model(args) -> int:
     from ..analysis import plots
     from ..models import load
     # F_t = W_o V_cat needs each layer's W_v and W_o alone: nothing else is read
-    model = load(args.model, allow_download=getattr(args, "allow_download", False), parts="spectrum")
+    model = load(args.model, parts="spectrum", **load_options(args))
     # the whole stack of F_t at once, or (a large model) one layer's F and eig workspace at a time
     at_once = model.layers.n_unique if whole_stack_fits(model.layers) else 1
     budget.check(budget.spectra_estimate(at_once, model.layers.config.d_model))
@@ -122,7 +130,12 @@ def cmd_spectrum_model(args) -> int:
     return 0
 
 
-def cmd_align(args) -> int:
+def cmd_align(args, figures=None) -> int:
+    """``powerlens align``; ``figures``: the :class:`~powerlens.runtime.figures.FigureProcess`
+    that draws (default: this process)."""
+    if figures is None:
+        from ..runtime.figures import FigureProcess
+        figures = FigureProcess(None)
     from ..models import embed, load
     texts = read_prompts(args)
     if (args.shared_layer is None) != (args.steps is None):
@@ -130,7 +143,7 @@ def cmd_align(args) -> int:
     if args.steps is not None:
         check_steps(args.steps)
     # align's rules (paper, post_ln, pre_ln) never read the FFN or the LM head
-    model = load(args.model, allow_download=getattr(args, "allow_download", False), parts="attention")
+    model = load(args.model, parts="attention", **load_options(args))
     layers = model.layers
     if whole_stack_fits(layers):
         budget.check(budget.spectra_estimate(layers.n_unique, layers.config.d_model))
@@ -145,7 +158,8 @@ def cmd_align(args) -> int:
     steps = len(layers.schedule) if args.steps is None else args.steps
     budget.check(budget.run_estimate(**budget.shapes_of(layers), steps=steps, batch=x0.shape[0], tokens=x0.shape[1],
                                      orders=len(ORDERS)))
-    from ..analysis import plots  # noqa: F401  (imported here, beside the spectra; result.plot draws with it)
+    if figures.pid is None:             # drawn here: imported now, beside the spectra's thread
+        from ..analysis import plots  # noqa: F401
     versions = io.versions()
     result = align_model(model, texts, dynamics=Dynamics(rule=args.rule), shared_layer=args.shared_layer,
                          steps=args.steps, seed=args.seed, progress=not args.quiet, x0=x0, valid=valid,
@@ -153,8 +167,10 @@ def cmd_align(args) -> int:
     doc = {"settings": {**settings_of(args), "versions": versions}, "model": dtypes_json(model), **result.to_json(),
            "layer_fields": LAYER_FIELDS, "layers": layers_json(model, result.spectra)}
     with io.output_dir(args.out, command=args.command) as stage:
+        # drawn by the figure process (the spectra, tens of MB, are not needed to draw)
+        figures.draw(AlignResult.plot, dataclasses.replace(result, spectra=[]), stage, title=args.model)
         io.write_json(os.path.join(stage, "align.json"), doc)
-        result.plot(stage, title=args.model)
+        figures.wait()
     print(f"wrote {args.out}: align.json, alignment figures ({result.n_tokens} tokens, {len(texts)} prompts)")
     for order in ORDERS:
         s = result.summary(order)

@@ -48,10 +48,10 @@ def _system(args):
     if not args.model:
         raise ValueError("give MODEL (a path, hub id, minilm, smollm2 or gemma3) or --weights system.npz --init x0.npy")
     from ..models import embed, load
-    from .models import read_prompts
+    from .models import load_options, read_prompts
     texts = read_prompts(args)
     check_prompt_count(texts)
-    model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    model = load(args.model, **load_options(args))
     x0, valid = embed(model, texts)
     return model.layers, model, np.asarray(x0), np.asarray(valid), texts
 
@@ -123,6 +123,9 @@ def cmd_steer(args) -> int:
         check_alpha_dtype(layers, u, w, float(args.alpha))
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "direction": direction.to_json(),
            "w": w, "w_choice": choice.to_json()}
+    if model is not None:
+        from .models import dtypes_json
+        doc["model"] = dtypes_json(model)
     if args.optimize:
         from ..steering.progress import SteerProgress
         with SteerProgress(not getattr(args, "quiet", False)) as progress:
@@ -268,7 +271,7 @@ def cmd_steer_apply(args) -> int:
     from ..models import load
     from ..steering.compare import edit_effects
     from ..steering.edit_file import check_identity, load_edit
-    from .models import read_prompts
+    from .models import load_options, read_prompts
     if not args.model:
         raise ValueError("--apply needs MODEL, the model the edit was made for")
     token_only = [f for f, v in (("--paraphrases", args.paraphrases), ("--layer", args.layer),
@@ -280,7 +283,7 @@ def cmd_steer_apply(args) -> int:
     check_prompt_count(texts)
     from .steer_token import prompt_lines
     controls = prompt_lines(args.controls, "--controls") if args.controls else edit.target.get("controls")
-    model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    model = load(args.model, **load_options(args))
     check_identity(model, edit, f"edit file {args.apply!r}")
     if not model.info.decoder:
         raise ValueError(f"--apply reports next-token effects and needs a causal decoder; {args.model!r} is a "
@@ -288,7 +291,9 @@ def cmd_steer_apply(args) -> int:
     tid = edit.target.get("token_id", (edit.target.get("direction") or {}).get("token_id"))
     conditions = edit_effects(model, texts, {"edit": edit.to_edit()}, target_id=tid, layer=edit.layer,
                               controls=controls)
-    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "apply": edit.metadata(),
+    from .models import dtypes_json
+    doc = {"settings": {**settings_of(args), "versions": io.versions()}, "model": dtypes_json(model),
+           "apply": edit.metadata(),
            "prompts": texts, "effects": {"layer": edit.layer, "target_id": tid, "conditions": conditions}}
     with io.output_dir(args.out, command=args.command) as stage:
         io.write_json(os.path.join(stage, "steer.json"), doc)

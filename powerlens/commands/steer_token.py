@@ -178,7 +178,7 @@ def cmd_steer_token(args) -> int:
     from ..steering.compare import edit_effects, frontier_point, plot_frontier
     from ..steering.edit_file import make_edit, save_edit
     from ..steering.progress import SteerProgress, format_levels
-    from .models import read_prompts
+    from .models import load_options, read_prompts
     _check(args)
     target_alignment = check_target(args.target_alignment if args.target_alignment is not None else 0.99)
     texts = read_prompts(args)
@@ -187,7 +187,7 @@ def cmd_steer_token(args) -> int:
     controls = None if control_rows is None else [t for _, t in control_rows]
     paraphrase_rows = numbered_lines(args.paraphrases, "--paraphrases") if args.paraphrases else None
     paraphrases = [t for _, t in paraphrase_rows] if paraphrase_rows else _paraphrases(args, texts)
-    model = load(args.model, allow_download=getattr(args, "allow_download", False))
+    model = load(args.model, **load_options(args))
     if not model.info.decoder:
         raise ValueError(f"--objective token needs a causal decoder; {args.model!r} is a {model.info.family} encoder")
     layers = model.layers
@@ -290,8 +290,9 @@ def cmd_steer_token(args) -> int:
         saved["edit_activation_addition.npz"] = make_edit(model, "activation", l, vector=act.vector[main], target={
             **target, "target_prob_reached": conditions["activation_addition"].get("target_prob")},
             options={**options, "method": "activation_addition"})
+    from .models import dtypes_json
     doc = {"settings": {**settings_of(args), "versions": io.versions()}, "direction": direction.to_json(),
-           "objective": "token", "layer": l, "w": choice.kind, "w_choice": choice.to_json(),
+           "model": dtypes_json(model), "objective": "token", "layer": l, "w": choice.kind, "w_choice": choice.to_json(),
            "target_prob": args.target_prob, "max_kl": args.max_kl, "rank": args.rank,
            "prompts": texts, "controls": list(CONTROL_PROMPTS) if controls is None else controls,
            "paraphrases": paraphrases,

@@ -26,6 +26,7 @@ from .attention import attention_weights, check_attention, softmax_attention_mix
 from .norms import apply_norm, l2_normalize
 from .params import Layer
 from .projections import Projections
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 RULES = ("paper", "post_ln", "pre_ln", "full")
 
@@ -41,9 +42,10 @@ def default_keep_bias(rule: str) -> bool:
     return rule != "paper"
 
 
-def attention_output(lp: Layer, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
-                     keep_bias: bool = False, positions: "int[n] | None" = None,
-                     projections: "Projections | None" = None) -> "float[n d]":
+def attention_output(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *,
+                     attention: str = "softmax", keep_bias: bool = False,
+                     positions: Int[ArrayLike, "n"] | None = None,
+                     projections: Projections | None = None) -> Float[Array, "n d"]:
     """attn(X) of one layer: "float[n d]".
 
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
@@ -85,27 +87,28 @@ def head_output(lp: Layer, M: "float[... He]", *, keep_bias: bool = False,
 
 def norm_of(lp, X, which: str):
     """The layer's norm ``which`` (``norm``, ``ffn_norm``, ``post_attn_norm``, ``post_ffn_norm``) of
-    X "float[n d]": its ``{which}_scale`` and ``{which}_bias`` with the config's kind and eps."""
+    X "float[n d]": its norms part's ``{which}_scale`` and ``{which}_bias`` with the config's kind and eps."""
     cfg = lp.config
-    scale = getattr(lp, f"{which}_scale")
-    bias = getattr(lp, f"{which}_bias", None)
+    scale = getattr(lp.norms, f"{which}_scale")
+    bias = getattr(lp.norms, f"{which}_bias", None)
     return apply_norm(cfg.norm, X, scale, bias, cfg.norm_eps)
 
 
 def _post(lp, Y, which: str):
     """The sandwich post-norm ``which`` (``post_attn_norm``, ``post_ffn_norm``) of Y, when the layer has it."""
-    return Y if getattr(lp, f"{which}_scale") is None else norm_of(lp, Y, which)
+    return Y if getattr(lp.norms, f"{which}_scale") is None else norm_of(lp, Y, which)
 
 
 def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
-    """The block's feed-forward network "float[n d]" -> "float[n d]"."""
-    act = lp.config.ffn_activation
-    if act is None or lp.W_in is None or lp.W_out is None:
+    """The block's feed-forward network "float[n d]" -> "float[n d]": W_out act(W_in x + b_in) + b_out
+    (gated: act(W_gate x) * (W_in x + b_in)), from the layer's FFN part."""
+    act, p = lp.config.ffn_activation, lp.ffn
+    if p is None or act is None:
         raise ValueError("rule 'full' needs FFN parameters (W_in, W_out and ffn_activation); "
                          "this system has none: load it from a checkpoint, with every part (parts='all')")
-    h = X @ lp.W_in.T
-    if lp.b_in is not None:
-        h = h + lp.b_in
+    h = X @ p.W_in.T
+    if p.b_in is not None:
+        h = h + p.b_in
     if act == "gelu":
         h = jax.nn.gelu(h, approximate=False)
     elif act == "gelu_new":
@@ -113,17 +116,18 @@ def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
     elif act == "relu":
         h = jax.nn.relu(h)
     elif act in ("silu_glu", "gelu_glu"):
-        g = X @ lp.W_gate.T
+        g = X @ p.W_gate.T
         h = (jax.nn.silu(g) if act == "silu_glu" else jax.nn.gelu(g, approximate=True)) * h
-    out = h @ lp.W_out.T
-    if lp.b_out is not None:
-        out = out + lp.b_out
+    out = h @ p.W_out.T
+    if p.b_out is not None:
+        out = out + p.b_out
     return out
 
 
-def layer_step(lp: Layer, X: "float[n d]", valid: "bool[n]", *, rule: str = "paper", attention: str = "softmax",
-               keep_bias: bool | None = None, positions: "int[n] | None" = None,
-               projections: "Projections | None" = None) -> "float[n d]":
+def layer_step(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *, rule: str = "paper",
+               attention: str = "softmax", keep_bias: bool | None = None,
+               positions: Int[ArrayLike, "n"] | None = None,
+               projections: Projections | None = None) -> Float[Array, "n d"]:
     """Apply one layer under ``rule``: "float[n d]" -> "float[n d]". ``projections``: this
     layer's (in, out) attention weight copies, when prepared (see :func:`attention_output`)."""
     check_rule(rule)
@@ -154,7 +158,7 @@ def full_block(lp: Layer, X: "float[... d]", attn: "float[... d]") -> "float[...
         h = norm_of(lp, X + attn, "norm")
         return norm_of(lp, h + ffn(lp, h), "ffn_norm")
     if lp.config.parallel_residual:     # GPT-NeoX / Phi: both sub-layers read X
-        Xf = norm_of(lp, X, "norm" if lp.ffn_norm_scale is None else "ffn_norm")
+        Xf = norm_of(lp, X, "norm" if lp.norms.ffn_norm_scale is None else "ffn_norm")
         return X + attn + ffn(lp, Xf)
     h = X + _post(lp, attn, "post_attn_norm")
     return h + _post(lp, ffn(lp, norm_of(lp, h, "ffn_norm")), "post_ffn_norm")

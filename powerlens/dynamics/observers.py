@@ -51,6 +51,7 @@ from .linalg import pow2_scale, scaled_norm
 from .measures import consensus_measures, masked_mean, mean_angle, unit_rows
 from .params import layer_factors
 from .subspaces import Subspaces, reference_index
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 
 class Step(NamedTuple):
@@ -76,7 +77,7 @@ class Observer(NamedTuple):
     of_states: Optional[Callable[..., Any]] = None
 
 
-def labelled(values: "float[... m]", names: Sequence[str]) -> Dict[str, jax.Array]:
+def labelled(values: Float[ArrayLike, "*batch m"], names: Sequence[str]) -> Dict[str, Float[ArrayLike, "*batch"]]:
     """``{name: values[..., r]}``: measures against the m references, each under its name
     (``principal``, ``random``, ``other_layer``), instead of a bare vector."""
     if values.shape[-1] != len(names):
@@ -166,7 +167,7 @@ def rotation_planes(subspaces: Subspaces, layers, *, rotation_in: str = "princip
 
 
 def alignment(subspaces: Subspaces, *, rotation_in: str = "principal",
-              planes: "bool[U] | None" = None) -> Observer:
+              planes: Bool[ArrayLike, "U"] | None = None) -> Observer:
     """gamma, gamma_before, rho against every reference and the rotation (see :class:`Alignment`).
 
     ``planes``: :func:`rotation_planes` of these subspaces and the layers run, when computed
@@ -357,8 +358,8 @@ def attention_input(lp, X: "float[n d]", rule: str) -> "float[n d]":
     return norm_of(lp, X, "norm") if pre else X
 
 
-def head_weights(lp, X: "float[n d]", valid: "bool[n]", *, attention: str = "softmax",
-                 positions: "int[n] | None" = None) -> "float[H n n]":
+def head_weights(lp, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *, attention: str = "softmax",
+                 positions: Int[ArrayLike, "n"] | None = None) -> Float[Array, "H n n"]:
     """The attention weights A_h "float[H n n]" of one layer on its input X (rows sum to 1).
 
     Softmax: A_h = softmax(cap(scale q_h k_h^T) + mask) with the layer's q/k biases, q/k norms,
@@ -381,7 +382,8 @@ def head_weights(lp, X: "float[n d]", valid: "bool[n]", *, attention: str = "sof
     return jax.nn.softmax(s, axis=-1)
 
 
-def attention_maps(layers, *, rule: str, attention: str = "softmax", positions: "int[n] | None" = None) -> Observer:
+def attention_maps(layers, *, rule: str, attention: str = "softmax",
+                   positions: Int[ArrayLike, "n"] | None = None) -> Observer:
     """The attention weights of every step, per head: "float[T H n n]" (step t: the layer
     schedule[t] reading x_t under ``rule``; :func:`head_weights`).
 

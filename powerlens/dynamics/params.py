@@ -1,24 +1,19 @@
-"""Layer parameters: a pytree of stacked arrays plus a hashable static config.
+"""Layer parameters: a pytree of stacked arrays, built from parts, plus a hashable static config.
 
-Shapes (U = number of *unique* layers, H = query heads, G = key/value heads,
+:class:`Layers` holds three parts (:mod:`powerlens.dynamics.parts`), each with its own shapes
+and sharding rule (U = number of *unique* layers, H = query heads, G = key/value heads,
 e = d_head, d = model width, f = FFN width)::
 
-    W_q (U, H, e, d)    b_q (U, H, e)
-    W_k (U, G, e, d)    b_k (U, G, e)
-    W_v (U, G, e, d)    b_v (U, G, e)
-    W_o (U, d, H*e)     b_o (U, d)
-    scale  (U,)   softmax scale of each layer (1/sqrt(e) for most families)
-    window (U,)   int, local attention window (0 = global)
-    norm_scale / norm_bias (U, d)       the attention sub-layer's norm
-    ffn_norm_scale / ffn_norm_bias (U, d), W_in (U, f, d), b_in (U, f),
-    W_gate (U, f, d), W_out (U, d, f), b_out (U, d)   only for rule ``full``
-    q_norm_scale / k_norm_scale (U, e)   per-head norm of q and k before RoPE, of the config's
-                                         ``norm`` kind (RMSNorm: Qwen3, Gemma 3; LayerNorm with
-    q_norm_bias / k_norm_bias (U, e)     these biases: Phi's ``qk_layernorm``)
-    post_attn_norm_scale / post_ffn_norm_scale (U, d)   sandwich norms (Gemma 2/3): the
-        attention and FFN outputs are normed before they join the residual
-    rope_base (U,)   per-layer RoPE base (Gemma 3: 1e4 on local, 1e6 on global layers);
-        absent = ``config.rope_theta`` on every layer
+    attn   Attention   W_q (U, H, e, d)  W_k, W_v (U, G, e, d)  W_o (U, d, H*e)
+                       b_q (U, H, e)  b_k, b_v (U, G, e)  b_o (U, d)
+                       scale (U,) softmax scale   window (U,) int, local window (0 = global)
+                       q/k_norm_scale, q/k_norm_bias (U, e)   rope_base (U,)
+    norms  Norms       norm_scale / norm_bias, ffn_norm_scale / ffn_norm_bias,
+                       post_attn_norm_scale / post_ffn_norm_scale (U, d), any absent
+    ffn    FFN | None  W_in, W_gate (U, f, d)  b_in (U, f)  W_out (U, d, f)  b_out (U, d);
+                       None when the family or the load has no FFN (rule ``full`` needs it)
+
+Every array is also read by its flat name (``layers.W_o``, ``layers.W_in``; :data:`FIELDS`).
 
 Column-vector maths: a token x maps to ``F x`` with
 ``F = sum_h O_h V_h = W_o @ concat_h(V_h)`` (d, d); with grouped-query attention
@@ -47,7 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from . import struct
 
+from .parts import FFN, PARTS, Attention, Norms
 from .schedule import Schedule
+from jaxtyping import Array, Float
 
 NORMS = ("l2", "layernorm", "rmsnorm")
 FFN_ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu_glu", "gelu_glu")
@@ -188,37 +185,40 @@ class LayerConfig:
         return self.schedule if self.schedule is not None else Schedule.range(n_unique)
 
 
+FIELDS = ("W_q", "W_k", "W_v", "W_o", "scale", "window", "b_q", "b_k", "b_v", "b_o", "norm_scale", "norm_bias",
+          "ffn_norm_scale", "ffn_norm_bias", "W_in", "b_in", "W_gate", "W_out", "b_out", "q_norm_scale",
+          "k_norm_scale", "q_norm_bias", "k_norm_bias", "post_attn_norm_scale", "post_ffn_norm_scale", "rope_base")
+"""Every array of :class:`Layers` by its flat name, in a fixed order (the weights of one layer are
+hashed in it: :func:`powerlens.steering.edit_file.layer_sha256`)."""
+
+PART_OF = {name: part for part, cls in PARTS.items() for name in cls.names()}
+"""The part (``attn``, ``norms``, ``ffn``: a field of :class:`Layers`) that holds each flat name."""
+
+
 @struct.dataclass
 class Layers:
-    """Stacked parameters of U unique attention layers (see module docstring)."""
+    """Stacked parameters of U unique attention layers, built from parts (see module docstring):
 
-    W_q: Optional[jax.Array]
-    W_k: Optional[jax.Array]
-    W_v: jax.Array
-    W_o: jax.Array
-    scale: jax.Array
-    window: jax.Array
-    b_q: Optional[jax.Array] = None
-    b_k: Optional[jax.Array] = None
-    b_v: Optional[jax.Array] = None
-    b_o: Optional[jax.Array] = None
-    norm_scale: Optional[jax.Array] = None
-    norm_bias: Optional[jax.Array] = None
-    ffn_norm_scale: Optional[jax.Array] = None
-    ffn_norm_bias: Optional[jax.Array] = None
-    W_in: Optional[jax.Array] = None
-    b_in: Optional[jax.Array] = None
-    W_gate: Optional[jax.Array] = None
-    W_out: Optional[jax.Array] = None
-    b_out: Optional[jax.Array] = None
-    q_norm_scale: Optional[jax.Array] = None
-    k_norm_scale: Optional[jax.Array] = None
-    q_norm_bias: Optional[jax.Array] = None
-    k_norm_bias: Optional[jax.Array] = None
-    post_attn_norm_scale: Optional[jax.Array] = None
-    post_ffn_norm_scale: Optional[jax.Array] = None
-    rope_base: Optional[jax.Array] = None
+        attn  :class:`~powerlens.dynamics.parts.Attention`   W_q, W_k, W_v, W_o, biases, scale, window,
+                                                             q/k norms, RoPE bases
+        norms :class:`~powerlens.dynamics.parts.Norms`       the sub-layers' norms (any may be absent)
+        ffn   :class:`~powerlens.dynamics.parts.FFN` or None  None: the family or the load has no FFN
+        config :class:`LayerConfig`                         static
+
+    Every array is also read by its flat name (``layers.W_o`` is ``layers.attn.W_o``,
+    ``layers.W_in`` is ``layers.ffn.W_in`` or None without an FFN), and ``replace`` takes flat
+    names too (``layers.replace(W_o=...)`` replaces the attention part's W_o; an FFN array given
+    to layers without an FFN creates the part). Build validated layers with :func:`make_layers`.
+    """
+
+    attn: Attention
+    norms: Norms = struct.field(default_factory=Norms)
+    ffn: Optional[FFN] = None
     config: LayerConfig = struct.field(pytree_node=False, default=None)
+
+    def arrays(self) -> dict:
+        """Every array present, by flat name, in the order of :data:`FIELDS`."""
+        return {k: a for k in FIELDS if (a := getattr(self, k)) is not None}
 
     @property
     def n_unique(self) -> int:
@@ -279,6 +279,42 @@ class Layers:
         return one.replace(config=dataclasses.replace(self.config, schedule=Schedule.repeat(0, steps)))
 
 
+def _flat(part: str, name: str):
+    def get(self):
+        p = getattr(self, part)
+        return None if p is None else getattr(p, name)
+    return property(get, doc=f"``{part}.{name}`` (None when absent).")
+
+
+for _name, _part in PART_OF.items():
+    setattr(Layers, _name, _flat(_part, _name))
+del _name, _part
+
+
+def _replace_layers(self, **changes) -> "Layers":
+    """A copy with fields replaced: the parts and ``config`` by their names, any array by its flat
+    name (:data:`FIELDS`) routed to its part; an FFN array given to layers without an FFN creates
+    the part (an FFN set to None stays an FFN with None arrays)."""
+    own = {k: changes.pop(k) for k in ("attn", "norms", "ffn", "config") if k in changes}
+    unknown = sorted(set(changes) - set(PART_OF))
+    if unknown:
+        raise TypeError(f"Layers.replace: unknown field(s) {unknown}")
+    for part, cls in PARTS.items():
+        sub = {k: v for k, v in changes.items() if PART_OF[k] == part}
+        if not sub:
+            continue
+        current = own.get(part, getattr(self, part))
+        if current is None:
+            if all(v is None for v in sub.values()):
+                continue
+            current = cls(**{k: None for k in cls.names()})
+        own[part] = dataclasses.replace(current, **sub)
+    return dataclasses.replace(self, **own)
+
+
+Layers.replace = _replace_layers
+
+
 @jax.jit
 def _take_layer(layers: Layers, i) -> Layers:
     return jax.tree_util.tree_map(lambda a: a[i], layers)
@@ -295,23 +331,10 @@ Layer = Layers
 so W_q "float[H e d]", W_o "float[d H*e]", scale "float[]", and so on (module docstring)."""
 
 
-MODEL_SPLIT = {
-    "W_q": (1, "n_heads"), "b_q": (1, "n_heads"), "W_o": (2, "n_heads"),
-    "W_k": (1, "n_kv_heads"), "b_k": (1, "n_kv_heads"), "W_v": (1, "n_kv_heads"), "b_v": (1, "n_kv_heads"),
-    "W_in": (1, "ffn"), "b_in": (1, "ffn"), "W_gate": (1, "ffn"), "W_out": (2, "ffn"),
-    **{name: None for name in (
-        "scale", "window", "b_o", "norm_scale", "norm_bias", "ffn_norm_scale", "ffn_norm_bias", "b_out",
-        "q_norm_scale", "k_norm_scale", "q_norm_bias", "k_norm_bias", "post_attn_norm_scale",
-        "post_ffn_norm_scale", "rope_base")},
-}
-"""How each field of :class:`Layers` is placed on a mesh's ``model`` axis, Megatron-style
-(:func:`powerlens.models.shard.shard`): ``(axis, count)``, the axis of the stacked array that is
-split and what it counts: ``n_heads`` (W_q "float[U H e d]", b_q, and W_o "float[U d H*e]" in
-whole heads), ``n_kv_heads`` (W_k, W_v, b_k, b_v), ``ffn`` (the FFN width f: W_in, b_in, W_gate
-"float[U f d]", W_out "float[U d f]"); None: replicated (norms, the width-d biases, scales,
-windows, RoPE bases). A field whose count does not divide by the ``model`` axis's size is
-replicated (e.g. 2 KV heads over 8 devices, while the 8 query heads are split). The leading
-layer axis U is never split: a scan step reads one whole layer."""
+MODEL_SPLIT = {name: PARTS[PART_OF[name]].SPLIT[name] for name in FIELDS}
+"""Each part's sharding rule (``SPLIT`` of :class:`~powerlens.dynamics.parts.Attention`,
+:class:`~powerlens.dynamics.parts.Norms`, :class:`~powerlens.dynamics.parts.FFN`: the rules live
+there) listed by flat name: ``(axis, count)`` split over the mesh's ``model`` axis, None replicated."""
 
 
 def cast_layer(lp: Layers, dtype) -> Layers:
@@ -356,7 +379,7 @@ def value_matrix(layers: Layers) -> jax.Array:
     return W_v.reshape(W_v.shape[:-3] + (H * e, d))
 
 
-def layer_matrices(layers: Layers) -> jax.Array:
+def layer_matrices(layers: Layers) -> Float[Array, "U d d"]:
     """F_t = W_o @ V_cat for every unique layer: "float[U d d]", in the layers' compute dtype."""
     return jnp.einsum("udk,ukc->udc", _computed(layers, layers.W_o), value_matrix(layers))
 
@@ -375,7 +398,7 @@ def layer_factors(layers: Layers):
     return A, W_v.reshape(W_v.shape[:-3] + (G * e, W_v.shape[-1]))
 
 
-def constant_term(layers: Layers) -> jax.Array:
+def constant_term(layers: Layers) -> Float[Array, "U d"]:
     """c = O b_v + b_o "float[U d]": the part of the attention output that does not depend on X."""
     U, d = layers.W_o.shape[0], layers.W_o.shape[1]
     c = jnp.zeros((U, d), layers.W_o.dtype)
@@ -420,7 +443,7 @@ def real_array(name: str, a):
 def check_window(window, U: int) -> jax.Array:
     """The local-attention window of each layer "int32[U]": integers >= 0 (0 = global)."""
     if window is None:
-        return jnp.zeros((U,), jnp.int32)
+        return jax.device_put(np.zeros((U,), np.int32))        # no program (jnp.zeros compiles two)
     w = real_array("window", window)
     if not np.issubdtype(w.dtype, np.integer):
         raise ValueError(f"window must be an integer >= 0 (0 = global attention), got dtype {w.dtype}")
@@ -434,14 +457,31 @@ def check_window(window, U: int) -> jax.Array:
         raise ValueError(f"window has shape {w.shape}, expected () or ({U},)") from None
 
 
-def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config=None, **arrays) -> Layers:
-    """Build validated :class:`Layers` from per-layer arrays (leading layer axis required).
+def make_layers(W_v=None, W_o=None, *, W_q=None, W_k=None, scale=None, window=None, config=None,
+                attn: Optional[Attention] = None, norms: Optional[Norms] = None, ffn: Optional[FFN] = None,
+                **arrays) -> Layers:
+    """Build validated :class:`Layers` from its parts (``attn``, ``norms``, ``ffn``: what the
+    converters give) or from per-layer arrays by flat name (W_v, W_o, ..., each routed to its
+    part); a leading layer axis is required either way. ``ffn`` None (or no FFN array): the
+    layers have no FFN; an FFN part needs W_in and W_out.
 
     ``config`` defaults to a synthetic ``l2`` system with sizes read off the shapes.
     Every shape is checked (the FFN width f is read off W_in, or W_out without W_in), every
     array must be real (float or integer: complex, bool, string or object arrays are
     refused, not cast) and finite, and ``window`` an integer >= 0; errors name the array.
     """
+    if attn is not None or norms is not None or ffn is not None:
+        flat = dict(arrays, W_v=W_v, W_o=W_o, W_q=W_q, W_k=W_k, scale=scale, window=window)
+        given = sorted(k for k, v in flat.items() if v is not None)
+        if given or attn is None:
+            raise ValueError(f"make_layers: give the parts (attn=, norms=, ffn=) or flat arrays, not both "
+                             f"(flat: {given})" if given else "make_layers: the parts need attn=")
+        arrays = {**attn.arrays(), **(norms.arrays() if norms is not None else {}),
+                  **(ffn.arrays() if ffn is not None else {})}
+        W_v, W_o, W_q, W_k = arrays.pop("W_v"), arrays.pop("W_o"), arrays.pop("W_q", None), arrays.pop("W_k", None)
+        scale, window = arrays.pop("scale", None), arrays.pop("window", None)
+    if W_v is None or W_o is None:
+        raise ValueError(f"make_layers: {'W_v' if W_v is None else 'W_o'} is required")
     W_v = jnp.asarray(real_array("W_v", W_v))
     W_o = jnp.asarray(real_array("W_o", W_o))
     if W_v.ndim != 4:
@@ -472,7 +512,7 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
     fields = dict(arrays, W_q=W_q, W_k=W_k, W_v=W_v, W_o=W_o)
     sdt = wide(W_v.dtype) if jnp.issubdtype(W_v.dtype, jnp.floating) else W_v.dtype   # never below float32
     if scale is None:
-        scale = jnp.full((U,), 1.0 / np.sqrt(e), sdt)
+        scale = jax.device_put(np.full((U,), 1.0 / np.sqrt(e), sdt))     # no program (jnp.full compiles two)
     scale = jnp.broadcast_to(jnp.asarray(real_array("scale", scale), sdt), (U,))
     window = check_window(window, U)
     for name, a in list(fields.items()):
@@ -493,7 +533,15 @@ def make_layers(W_v, W_o, *, W_q=None, W_k=None, scale=None, window=None, config
             raise ValueError("rope_base must be positive on every layer")
     if cfg.norm_placement == "post" and any(fields.get(k) is not None for k in SANDWICH_NORMS):
         raise ValueError(f"sandwich norms ({', '.join(SANDWICH_NORMS)}) need norm_placement 'pre'")
-    layers = Layers(scale=scale, window=window, config=cfg, **fields)
+    fields.update(scale=scale, window=window)
+    parts = {name: cls.take(fields) for name, cls in PARTS.items()}
+    if fields:
+        raise TypeError(f"make_layers: unknown array(s) {sorted(fields)}; expected some of {list(FIELDS)}")
+    ffn_part = parts["ffn"]
+    if ffn_part is not None and (ffn_part.W_in is None or ffn_part.W_out is None):
+        raise ValueError(f"the FFN needs W_in and W_out; {'W_in' if ffn_part.W_in is None else 'W_out'} is missing "
+                         f"(given: {sorted(ffn_part.arrays())})")
+    layers = Layers(attn=parts["attn"], norms=parts["norms"] or Norms(), ffn=ffn_part, config=cfg)
     if cfg.schedule is not None:
         layers.with_schedule(cfg.schedule)  # validates indices
     return layers

@@ -47,10 +47,12 @@ from .observers import READY, Observer, Step, states
 from .options import Dynamics, as_dynamics
 from .params import Layers, cast_layer, real_array
 from .projections import Projections, build_projections, prepared_projections
+from jaxtyping import ArrayLike, Bool, Int, Real
 
 
-def run(layers: Layers, x0: "float[n d]", valid: "bool[n] | None", *, observers: Mapping[str, Observer],
-        dynamics: Optional[Dynamics] = None, positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
+def run(layers: Layers, x0: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"] | Int[ArrayLike, "n"] | None, *,
+        observers: Mapping[str, Observer], dynamics: Optional[Dynamics] = None,
+        positions: Int[ArrayLike, "n"] | None = None, schedule: Int[ArrayLike, "T"] | None = None,
         projections: Optional[Projections] = None, measure_after: bool = False,
         rule: Optional[str] = None, attention: Optional[str] = None,
         keep_bias: Optional[bool] = None) -> Dict[str, Any]:
@@ -283,9 +285,10 @@ def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule
 BATCH_OBSERVERS = ("consensus", "states", "finite", "final")
 
 
-def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = None, *,
+def run_batch(layers: Layers, X0: Real[ArrayLike, "*B n d"],
+              valid: Bool[ArrayLike, "*B n"] | Int[ArrayLike, "*B n"] | None = None, *,
               dynamics: Optional[Dynamics] = None, observe: Sequence[str] = ("final",),
-              positions: "int[n] | None" = None, schedule: "int[T] | None" = None,
+              positions: Int[ArrayLike, "n"] | None = None, schedule: Int[ArrayLike, "T"] | None = None,
               steps_first: bool = False, rule: Optional[str] = None, attention: Optional[str] = None,
               keep_bias: Optional[bool] = None) -> Dict[str, Any]:
     """:func:`run` over a batch of prompts (validated, jit-compiled, vmapped; on a CPU, short
@@ -305,9 +308,15 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     bad = [o for o in observe if o not in BATCH_OBSERVERS]
     if bad:
         raise ValueError(f"unknown observer(s) {bad} for run_batch; expected some of {BATCH_OBSERVERS}")
+    given = X0
     X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.dtype)
     if schedule is not None:
         schedule = check_schedule(schedule, layers.n_unique)
+    x_in = np.asarray(X0, layers.dtype)
+    if isinstance(given, jax.Array) and len(given.sharding.device_set) > 1 and given.shape == X0.shape:
+        # prompts placed over devices (pl.shard_prompts: B over a mesh's data axis) stay where
+        # they are, so that the compiled call splits the batch as they are split
+        x_in = given.astype(layers.dtype)
     # weights held in another dtype than the compute dtype are cast a layer at a time inside the
     # scan: no (in, out) copies of every layer (they would be a second copy of the attention weights)
     same = layers.dtype == layers.storage_dtype
@@ -315,7 +324,7 @@ def run_batch(layers: Layers, X0: "float[B n d]", valid: "bool[B n] | None" = No
     after = any(o in ("consensus", "finite") for o in observe) and measure_after_pays(layers, X0, schedule)
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
-    return _run_batch(layers, np.asarray(X0, layers.dtype), valid, positions, schedule,
+    return _run_batch(layers, x_in, valid, positions, schedule,
                       prepared_projections(layers, dyn.attention) if same else None, rule=dyn.rule,
                       attention=dyn.attention, keep_bias=dyn.keep_bias,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after,

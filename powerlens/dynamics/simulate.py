@@ -22,6 +22,7 @@ from .options import Dynamics, as_dynamics
 from .projections import prepared_projections
 from .run import map_prompts, measure_after_pays, platform_of, prompt_chunk, run
 from .subspaces import REFERENCES, Subspaces, reference_index
+from jaxtyping import ArrayLike, Bool, Int, Real
 
 
 @struct.dataclass
@@ -63,11 +64,13 @@ class Trajectory:
         return reference_index(self.references, name)
 
 
-def simulate(layers, x0: "float[n d]", subspaces: Subspaces, *, valid: "bool[n] | None" = None,
-             dynamics: Optional[Dynamics] = None, save_states: bool = False, schedule: "int[T] | None" = None,
-             positions: "int[n] | None" = None, projections=None, measure_after: bool = False,
+def simulate(layers, x0: Real[ArrayLike, "n d"], subspaces: Subspaces, *,
+             valid: Bool[ArrayLike, "n"] | Int[ArrayLike, "n"] | None = None,
+             dynamics: Optional[Dynamics] = None, save_states: bool = False,
+             schedule: Int[ArrayLike, "T"] | None = None, positions: Int[ArrayLike, "n"] | None = None,
+             projections=None, measure_after: bool = False,
              rule: Optional[str] = None, attention: Optional[str] = None, keep_bias: Optional[bool] = None,
-             planes: "bool[U] | None" = None) -> Trajectory:
+             planes: Bool[ArrayLike, "U"] | None = None) -> Trajectory:
     """Iterate ``layers`` over its schedule from x0 and measure. Pure; jit/vmap it.
 
     Args:
@@ -120,9 +123,11 @@ def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projectio
 simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC[1:] + ("chunk",))
 
 
-def simulate_batch(layers, X0: "float[B n d]", subspaces: Subspaces, *, valid: "bool[B n] | None" = None,
+def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, *,
+                   valid: Bool[ArrayLike, "*B n"] | Int[ArrayLike, "*B n"] | None = None,
                    dynamics: Optional[Dynamics] = None, save_states: bool = False,
-                   schedule: "int[T] | None" = None, positions: "int[n] | None" = None, check_finite: bool = True,
+                   schedule: Int[ArrayLike, "T"] | None = None, positions: Int[ArrayLike, "n"] | None = None,
+                   check_finite: bool = True,
                    rule: Optional[str] = None, attention: Optional[str] = None,
                    keep_bias: Optional[bool] = None) -> Trajectory:
     """``simulate`` vmapped over a batch of prompts X0 "float[B n d]" with ``valid`` "bool[B n]"

@@ -33,7 +33,9 @@ import numpy as np
 
 from .linalg import array_module, gram_schmidt, group_size, haar_q, orient_plane, solve
 from .params import LayerConfig, Layers, check_steps
+from .parts import Attention, Norms
 from .schedule import Schedule
+from jaxtyping import ArrayLike, Float, Float64, Real
 
 KINDS = ("symmetric", "normal", "nonnormal")
 INITS = ("sphere", "cone", "bipartite")
@@ -145,19 +147,20 @@ def bipartite(g, v, noise, n_plus):
     return _unit_rows(exact + noise * g), exact
 
 
-def sphere_tokens(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
+def sphere_tokens(rng: np.random.Generator, n: int, d: int) -> Float[np.ndarray, "n d"]:
     """n tokens uniform on the unit sphere of R^d: (n, d)."""
     return sphere(rng.standard_normal((n, d)))
 
 
-def cone_tokens(rng: np.random.Generator, n: int, v: np.ndarray, angle: float) -> np.ndarray:
+def cone_tokens(rng: np.random.Generator, n: int, v: Real[ArrayLike, "d"],
+                angle: float | Real[ArrayLike, "n 1"]) -> Float[np.ndarray, "n d"]:
     """n unit tokens at angle ``angle`` (radians; a scalar, or (n, 1) for tokens inside a cone) from unit v."""
     v = np.asarray(v, float)
     return cone(rng.standard_normal((n, v.size)), v, angle)
 
 
-def bipartite_tokens(rng: np.random.Generator, n: int, v: np.ndarray, *, noise: float = 0.0,
-                     n_plus: Optional[int] = None) -> np.ndarray:
+def bipartite_tokens(rng: np.random.Generator, n: int, v: Real[ArrayLike, "d"], *, noise: float = 0.0,
+                     n_plus: Optional[int] = None) -> Float[np.ndarray, "n d"]:
     """n_plus tokens near +v and n - n_plus near -v (unit, Gaussian noise of size ``noise``)."""
     v = np.asarray(v, float)
     v = v / np.linalg.norm(v)
@@ -373,9 +376,10 @@ def synthetic(seed, values: Dict[str, Any], cfg: SyntheticConfig):
     W_o = head_split(F, V)
     W_q, W_k = z["qk"]
     config = LayerConfig(d_model=d, n_heads=H, d_head=e, norm="l2", schedule=Schedule.repeat(0, cfg.steps))
-    layers = Layers(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
-                    scale=jnp.full((1,), values["beta"] / np.sqrt(e), dt), window=jnp.zeros((1,), jnp.int32),
-                    config=config)
+    layers = Layers(attn=Attention(W_q=W_q[None], W_k=W_k[None], W_v=V.reshape(H, e, d)[None], W_o=W_o[None],
+                                   scale=jnp.full((1,), values["beta"] / np.sqrt(e), dt),
+                                   window=jnp.zeros((1,), jnp.int32)),
+                    norms=Norms(), ffn=None, config=config)      # the paper's system: no norms, no FFN
 
     order, dim1, dim2, lam = eigen_groups(re, im, jnp.hypot(1.0 + re, im))
     porder, dim_plain, _, lam_plain = eigen_groups(re, im, jnp.hypot(re, im))
@@ -518,7 +522,7 @@ def synthetic_system(eigenvalues, *, kind: str = "symmetric", heads: int = 1, be
 
 
 def spectrum_matrix(eigenvalues, *, kind: str = "symmetric", d: Optional[int] = None, seed: int = 0,
-                    nonnormality: float = 1.0) -> np.ndarray:
+                    nonnormality: float = 1.0) -> Float64[np.ndarray, "d d"]:
     """A real "float64[d d]" matrix with the given eigenvalues (zeros fill up to d): the F of
     :func:`synthetic_system` with these arguments (one head), built in float64."""
     return synthetic_system(eigenvalues, kind=kind, d=d, seed=seed, nonnormality=nonnormality,

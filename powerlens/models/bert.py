@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Tuple
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
+from ..dynamics.parts import FFN, Attention, Norms
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, head_size, read_tensors,
                       require, require_all, tokenizer_folder)
@@ -136,7 +137,8 @@ def read_layers(reader: TensorReader, names: Dict[str, str], indices, config: La
             st.read(field, u, reader, template.format(**idx), shapes[field][0])
         st.done(field)
     try:
-        return make_layers(config=config, **st.finish())
+        a = st.finish()     # attention with q/k/v/o biases, post-LN norms with biases, FFN with biases
+        return make_layers(attn=Attention.take(a), norms=Norms.take(a), ffn=FFN.take(a), config=config, **a)
     except ValueError as exc:  # pragma: no cover - the reader already checks shapes/finiteness
         raise CheckpointError(f"{reader.folder}: {exc}") from exc
 

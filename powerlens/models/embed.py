@@ -117,7 +117,7 @@ def embed_ids(model: Model, ids, valid=None):
     scale = None if info is None or info.embed_scale is None else np.float32(info.embed_scale)
     x = embed_arrays({k: jnp.asarray(v) for k, v in E.items()}, np.asarray(np.where(valid, ids, 0), np.int32), pos,
                       scale, eps=float(model.layers.config.norm_eps), dtype=np.dtype(model.layers.dtype).name)
-    return x, jnp.asarray(valid)
+    return x, jax.device_put(np.array(valid))     # a copy, and no copy program (jnp.asarray compiles one)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype"))

@@ -34,6 +34,7 @@ from ..dynamics.norms import apply_norm
 from ..dynamics.options import Dynamics, as_dynamics
 from ..dynamics.run import run_batch
 from .base import Model
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 
 def final_norm(model: Model, h):
@@ -49,9 +50,10 @@ def _norm(h, scale, bias, *, kind, eps):
     return apply_norm(kind, h, scale, bias, eps)
 
 
-def run_states(model: Model, x0: "float[B n d]", valid: "bool[B n]", *, dynamics: Optional[Dynamics] = None,
-               rule: Optional[str] = None, attention: Optional[str] = None,
-               keep_bias: Optional[bool] = None) -> "float[T+1 B n d]":
+def run_states(model: Model, x0: Real[ArrayLike, "*batch n d"],
+               valid: Bool[ArrayLike, "*batch n"] | Int[ArrayLike, "*batch n"] | None, *,
+               dynamics: Optional[Dynamics] = None, rule: Optional[str] = None, attention: Optional[str] = None,
+               keep_bias: Optional[bool] = None) -> Float[Array, "T1 B n d"]:
     """All states of the model's schedule under ``dynamics``, x_0 first: "float[T+1 B n d]"
     (the residual stream: no final norm, so ``logits(model, run_states(...)[-1])`` are the
     model's logits under the default, ``Dynamics.full()``: the model's own forward pass).
@@ -104,7 +106,8 @@ class HiddenStates:
         return self.states.at[-1].set(self.normed) if self.final_norm_in_hf else self.states
 
 
-def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> HiddenStates:
+def hidden_states(model: Model, x0: Real[ArrayLike, "*batch n d"],
+                  valid: Bool[ArrayLike, "*batch n"] | Int[ArrayLike, "*batch n"] | None) -> HiddenStates:
     """The states of rule ``full`` at Hugging Face's recording points, as a :class:`HiddenStates`
     (``hs[k]``: the residual stream after the k-th recorded block, "float[B n d]"; ``hs.hf``:
     transformers' own tuple as one array)."""
@@ -116,7 +119,7 @@ def hidden_states(model: Model, x0: "float[B n d]", valid: "bool[B n]") -> Hidde
     return HiddenStates(states=states, normed=final_norm(model, states[-1]), final_norm_in_hf=in_hf)
 
 
-def logits(model: Model, h: Union["float[... d]", HiddenStates]) -> "float[... V]":
+def logits(model: Model, h: Union[Real[ArrayLike, "*batch d"], HiddenStates]) -> Float[Array, "*batch V"]:
     """Next-token logits "float[... V]" of a state h "float[... d]" of the residual stream (a
     block's output, before the final norm: ``hidden_states(...)[-1]``, ``run_states(...)[-1]``,
     any token or slice of them), or of a :class:`HiddenStates` (its ``normed`` last state):
@@ -137,10 +140,37 @@ def logits(model: Model, h: Union["float[... d]", HiddenStates]) -> "float[... V
     return _head(h, W, model.lm_head_bias, cap=cap)
 
 
+def _head_in_blocks(h: "float[... d]", W: "[V d]", k: int) -> "float[... V]":
+    """h W^T for a head W stored in another dtype than h (bf16 weights, float32 states): the
+    rows cast to h's dtype in k strided blocks (block b: rows b, b + k, b + 2k, ...), one block
+    per step of a scan, each behind an optimization barrier, so that XLA holds one block in h's
+    dtype instead of hoisting the cast of the whole head (Llama-3-8B's: 2 GB as float32).
+    Strided, so that a head split over devices along V stays split. k divides V."""
+    V, d = W.shape
+    Wk = W.reshape(V // k, k, d)
+
+    def step(carry, b):
+        h, Wk = jax.lax.optimization_barrier(carry)
+        block = jax.lax.dynamic_index_in_dim(Wk, b, axis=1, keepdims=False)          # "[V/k d]"
+        return (h, Wk), jnp.einsum("...d,vd->...v", h, block.astype(h.dtype))
+    _, z = jax.lax.scan(step, (h, Wk), jnp.arange(k))                                # "[k ... V/k]"
+    return jnp.moveaxis(z, 0, -1).reshape(*h.shape[:-1], V)                          # row a k + b
+
+
+HEAD_BLOCKS = 8
+"""The most blocks a head stored in another dtype than the states is cast in (:func:`_head`:
+the largest divisor of V up to this; one block, the plain contraction, when V has none)."""
+
+
 @functools.partial(jax.jit, static_argnames=("cap",))
 def _head(h, W, bias, *, cap):
     """h W^T (+ bias), soft-capped: one compiled contraction over d, so the (V, d) head is
-    never transposed into a copy (Gemma 3's is 262,144 x 640)."""
-    out = jnp.einsum("...d,vd->...v", h, W)
+    never transposed into a copy (Gemma 3's is 262,144 x 640); a head stored in another dtype
+    than h is cast a block of rows at a time (:func:`_head_in_blocks`)."""
+    k = max(j for j in range(1, HEAD_BLOCKS + 1) if W.shape[0] % j == 0)
+    if W.dtype == h.dtype or k == 1:
+        out = jnp.einsum("...d,vd->...v", h, W)
+    else:
+        out = _head_in_blocks(h, W, k)
     out = out if bias is None else out + bias
     return out if cap is None else cap * jnp.tanh(out / cap)

@@ -44,6 +44,7 @@ import numpy as np
 from ..dynamics.projections import prepared_projections
 from ..dynamics.run import platform_of, prompt_chunk
 from .base import Model
+from jaxtyping import ArrayLike, Real
 from .embed import embed_arrays, embed_ids, prompt_ids, tokenizer
 from .forward import logits
 from .kv_cache import UNROLL_MIN_TOKENS, decode, decode_layers, prefill
@@ -68,7 +69,7 @@ def generate(model: Model, prompts_or_ids: Union[str, Sequence[str], Sequence[Se
              max_new_tokens: int = 12, stop_at_eos: bool = False,
              eos_token_id: Union[None, int, Sequence[int]] = None, key: Optional[jax.Array] = None,
              temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
-             add: Optional["float[d]"] = None, add_layer: int = -1, progress: bool = False,
+             add: Optional[Real[ArrayLike, "d"]] = None, add_layer: int = -1, progress: bool = False,
              unroll: Optional[bool] = None) -> Generation:
     """The continuation of each prompt: ``max_new_tokens`` times, the next token under the
     model's own forward pass (rule ``full``), with a key/value cache, appended.
@@ -225,7 +226,7 @@ def _addition(model: Model, add, layer):
     steps = layers.schedule.steps_of(int(layer) % U)
     if not steps:
         raise ValueError(f"generate: add_layer {layer} is never applied by the schedule")
-    return jnp.asarray(v, layers.W_v.dtype), jnp.int32(steps[-1])
+    return jnp.asarray(v, layers.dtype), jnp.int32(steps[-1])
 
 
 def _pick(lg: "float[B V]", k, sampling: dict, top_k: Optional[int]) -> "int[B]":
@@ -274,22 +275,28 @@ def _steps(model: Model, state, stop, lengths, eos, projections, sampling, add, 
     eps = float(model.layers.config.norm_eps)
     dtype = np.dtype(model.layers.dtype).name
 
+    # the word embeddings ride in the loop's carry behind an optimization barrier: XLA's CPU
+    # compiler otherwise rewrites the upcast of the one row a step reads (bf16 weights, float32
+    # compute) into an upcast of the whole table, hoisted out of the loop and held while it runs
+    words = E["word"]
+
     def step(carry):
-        k, token, cache, new, done, count = carry
+        (k, token, cache, new, done, count), words = carry
+        token, words = jax.lax.optimization_barrier((token, words))
         at = lengths + k - 1                                            # the position of `token`
         pos = None if "position" not in E else (at + info.position_offset)[:, None]
-        x = embed_arrays(E, token[:, None], pos, scale, eps=eps, dtype=dtype)[:, 0]
+        x = embed_arrays(dict(E, word=words), token[:, None], pos, scale, eps=eps, dtype=dtype)[:, 0]
         h, cache = decode(model, x, at, cache, projections, add=add, add_step=add_step, unrolled=unrolled)
         nxt = jnp.where(done, pad, _pick(logits(model, h), k, sampling, top_k))
         count = count + (~done).astype(jnp.int32)
         done = done | jnp.isin(nxt, eos)
-        return k + 1, nxt, cache, new.at[:, k].set(nxt), done, count
+        return (k + 1, nxt, cache, new.at[:, k].set(nxt), done, count), words
 
     def more(carry):
-        return (carry[0] < stop) & ~jnp.all(carry[4])
+        return (carry[0][0] < stop) & ~jnp.all(carry[0][4])
 
     with jax.default_matmul_precision(model.layers.config.precision):
-        return jax.lax.while_loop(more, step, state)
+        return jax.lax.while_loop(more, step, (state, words))[0]
 
 
 def _check_decoder(model: Model) -> None:

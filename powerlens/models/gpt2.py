@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dynamics.params import LayerConfig, make_layers
+from ..dynamics.parts import FFN, Attention, Norms
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, given_key, head_size,
                       lm_head, read_tensors, require, require_all, tokenizer_folder)
@@ -114,9 +115,9 @@ def pre_ln_decoder(family, config, reader, st, *, d, H, e, eps, act, V, P, scale
     embeddings (wte, wpe), a final LayerNorm (ln_f) and a tied or separate LM head."""
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="layernorm", norm_eps=eps,
                       norm_placement="pre", ffn_activation=act, family=family)
-    arrays = st.finish()
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
-                         scale=scale, window=window, config=cfg, **arrays)
+    a = st.finish()     # attention with biases, LN1/LN2 with biases, FFN (absent from an attention-only load)
+    layers = make_layers(attn=Attention.take(a, scale=scale, window=np.asarray(window, np.int32)),
+                         norms=Norms.take(a), ffn=FFN.take(a), config=cfg, **a)
     embeddings = read_tensors(reader, {"word": "wte.weight", "position": "wpe.weight"},
                               {"word": (V, d), "position": (P, d)})
     final = read_tensors(reader, {"scale": "ln_f.weight", "bias": "ln_f.bias"}, {"scale": (d,), "bias": (d,)})

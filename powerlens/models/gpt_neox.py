@@ -35,6 +35,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ..dynamics.params import LayerConfig, make_layers
+from ..dynamics.parts import FFN, Attention, Norms
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, head_size, lm_head,
                       read_tensors, require, require_all, short_repr, to_device, tokenizer_folder, left_out, wanted)
@@ -106,9 +107,9 @@ def decoder_model(st: Stack, *, family: str, d: int, H: int, e: int, G: Optional
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G or H, d_head=e, causal=True, norm=norm, norm_eps=eps,
                       norm_placement=placement, rope_theta=theta, rope_dim=rope_dim, ffn_activation=act,
                       family=family, parallel_residual=parallel)
-    arrays = st.finish()
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
-                         scale=e ** -0.5, window=np.asarray(window, np.int32), config=cfg, **arrays)
+    a = st.finish()     # the family's attention (biases, q/k norms), norms (Phi: LN1 only) and FFN
+    layers = make_layers(attn=Attention.take(a, scale=e ** -0.5, window=np.asarray(window, np.int32)),
+                         norms=Norms.take(a), ffn=FFN.take(a), config=cfg, **a)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_scale, final_norm_bias=final_bias,
                  lm_head=head, lm_head_bias=head_bias, info=info)
 

@@ -62,11 +62,24 @@ def _schedule(model: Model):
 
 
 def _layer_of(model: Model, projections):
-    """u -> (unique layer u's parameters in the compute dtype, its prepared projections or none)."""
+    """(held, the step's fetch): ``fetch(X, held, u)`` -> (X, held, unique layer u's parameters
+    in the compute dtype, its prepared projections or none). ``held`` rides in the scan's carry.
+
+    Weights stored in another dtype than the compute dtype are the stack ``held``, passed with
+    the step's tokens X through an optimization barrier before layer u is cast (as in
+    :func:`powerlens.dynamics.run`): XLA's compiler otherwise hoists the cast of the loop-invariant
+    stack out of the scan, a float32 copy of every layer at once, instead of the one layer each
+    step reads. Weights in the compute dtype: ``held`` is None and nothing is cast."""
     layers = model.layers
     dtype = layers.dtype
-    cast = (lambda lp: lp) if dtype == layers.storage_dtype else (lambda lp: cast_layer(lp, dtype))
-    return lambda u: (cast(layers.layer(u)), Projections() if projections is None else projections.layer(u))
+    proj = (lambda u: Projections()) if projections is None else projections.layer
+    if dtype == layers.storage_dtype:
+        return None, lambda X, held, u: (X, held, layers.layer(u), proj(u))
+
+    def fetch(X, held, u):
+        X, held = jax.lax.optimization_barrier((X, held))
+        return X, held, cast_layer(held.layer(u), dtype), proj(u)
+    return layers, fetch
 
 
 def _added(Y, t, add, add_step):
@@ -82,17 +95,17 @@ def prefill_one(model: Model, x0: "float[n d]", valid: "bool[n]", projections, a
     n = x0.shape[0]
     positions = jnp.arange(n)
     x0 = inert_padding(x0.astype(model.layers.dtype), valid)
-    layer_of = _layer_of(model, projections)
+    held, layer_of = _layer_of(model, projections)
 
-    def step(X, tu):
+    def step(carry, tu):
         u, t = tu
-        lp, proj = layer_of(u)
+        X, held, lp, proj = layer_of(*carry, u)
         q, k, v = softmax_qkv(lp, full_attention_input(lp, X), positions, proj.qkv)
         M = softmax_mix(lp, q, k, v, valid)                                  # (n, H, e)
         Y = full_block(lp, X, head_output(lp, M.reshape(n, -1), keep_bias=True, out=proj.out))
-        return inert_padding(_added(Y, t, add, add_step), valid), (k, v)
+        return (inert_padding(_added(Y, t, add, add_step), valid), held), (k, v)
 
-    Y, (k, v) = jax.lax.scan(step, x0, _schedule(model))
+    (Y, _), (k, v) = jax.lax.scan(step, (x0, held), _schedule(model))
     last = jnp.sum(valid.astype(jnp.int32)) - 1
     return Y[last], k, v
 
@@ -178,12 +191,13 @@ def decode(model: Model, x: "float[B d]", positions: "int[B]", cache: KVCache, p
     The cache is read by the steps, then written once, in place. ``unrolled``: the layers of
     :func:`decode_layers`, one traced step each; None: one ``lax.scan`` over the stacked layers."""
     decode_rows = jax.vmap(_decode_layer, in_axes=(None, None, 0, 0, 0, 0))
-    layer_of = _layer_of(model, projections)
+    held, layer_of = _layer_of(model, projections)
 
-    def step(X, xs):
+    def step(carry, xs):
         u, t, ck, cv = xs
-        Y, k, v = decode_rows(*layer_of(u), X, positions, ck, cv)
-        return _added(Y, t, add, add_step), (k, v)
+        X, held, lp, proj = layer_of(*carry, u)
+        Y, k, v = decode_rows(lp, proj, X, positions, ck, cv)
+        return (_added(Y, t, add, add_step), held), (k, v)
 
     if unrolled is not None:        # one traced step per schedule step, each reading its layer's own buffers
         X, ks, vs = x.astype(model.layers.dtype), [], []
@@ -197,7 +211,8 @@ def decode(model: Model, x: "float[B d]", positions: "int[B]", cache: KVCache, p
             vs.append(v)
         h, k, v = X, jnp.stack(ks), jnp.stack(vs)
     else:
-        h, (k, v) = jax.lax.scan(step, x.astype(model.layers.dtype), (*_schedule(model), cache.k, cache.v))
+        (h, _), (k, v) = jax.lax.scan(step, (x.astype(model.layers.dtype), held),
+                                      (*_schedule(model), cache.k, cache.v))
     rows = jnp.arange(x.shape[0])
     # cache.k[:, rows, :, positions] is "float[B T G e]" (the advanced indices first)
     put = lambda c, new: c.at[:, rows, :, positions].set(jnp.swapaxes(new, 0, 1).astype(c.dtype))

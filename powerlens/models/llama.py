@@ -33,6 +33,7 @@ from typing import Collection, NamedTuple
 import numpy as np
 
 from ..dynamics.params import SANDWICH_NORMS, LayerConfig, make_layers, wide
+from ..dynamics.parts import FFN, Attention, Norms
 from .base import Model, ModelInfo, register
 from .convert import (Stack, activation, check_config, check_layer_count, config_file, lm_head, read_tensors,
                       require, require_all, short_repr, tokenizer_folder, wanted)
@@ -92,12 +93,11 @@ def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=eps,
                       norm_placement="pre", rope_theta=float(theta), rope_dim=None, ffn_activation=act,
                       family=info.family, attn_softcap=attn_softcap)
-    arrays = stack.finish()
-    if rope_base is not None:
-        arrays["rope_base"] = np.asarray(rope_base, np.promote_types(stack.dtype_of("W_v"), np.float32))
-    layers = make_layers(arrays.pop("W_v"), arrays.pop("W_o"), W_q=arrays.pop("W_q", None), W_k=arrays.pop("W_k", None),
-                         scale=e ** -0.5 if scale is None else scale, window=np.asarray(window, np.int32),
-                         config=cfg, **arrays)
+    a = stack.finish()  # attention (biases, q/k norms, per-layer RoPE bases), RMS norms (sandwich), gated FFN
+    bases = None if rope_base is None else np.asarray(rope_base, np.promote_types(stack.dtype_of("W_v"), np.float32))
+    attn = Attention.take(a, scale=e ** -0.5 if scale is None else scale, window=np.asarray(window, np.int32),
+                          rope_base=bases)
+    layers = make_layers(attn=attn, norms=Norms.take(a), ffn=FFN.take(a), config=cfg, **a)
     return Model(layers=layers, embeddings=embeddings, final_norm_scale=final_norm, final_norm_bias=None,
                  lm_head=head, info=info)
 

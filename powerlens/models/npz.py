@@ -32,6 +32,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..dynamics.params import LayerConfig, Layers, make_layers
+from ..dynamics.parts import Attention
 from .convert import WINDOW_MAX
 from .reader import CheckpointError, check_allocation, human_bytes, one_line
 
@@ -138,7 +139,7 @@ def _as_float(path: str, key: str, a: Optional[np.ndarray], dtype) -> Optional[n
     return out
 
 
-def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
+def load_weights_npz(path: str | os.PathLike, *, attention: Optional[str] = "softmax", norm: str = "l2",
                      dtype=np.float32) -> Layers:
     """Read and validate a weights file; errors name the file and the key at fault.
 
@@ -191,14 +192,42 @@ def load_weights_npz(path: str, *, attention: str = "softmax", norm: str = "l2",
     _check_window(path, window)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=_causal(path, data), norm=norm)
     floats = {k: _as_float(path, k, v, dtype) for k, v in dict(arrays, W_v=W_v).items()}
-    return make_layers(floats.pop("W_v"), floats.pop("W_o"), W_q=floats.pop("W_q"), W_k=floats.pop("W_k"),
-                       window=None if window is None else np.asarray(window, np.int32), config=cfg, **floats)
+    attn = Attention(window=None if window is None else np.asarray(window, np.int32), **floats)
+    return make_layers(attn=attn, config=cfg)      # the paper's system: attention only, no norms, no FFN
 
 
-def save_weights_npz(path: str, layers: Layers) -> str:
-    """Write ``layers`` in the documented format (with the layer axis)."""
+def save_weights_npz(path: str | os.PathLike, layers: Layers) -> str | os.PathLike:
+    """Write ``layers`` (its attention part: W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o, scale,
+    window, and ``config.causal``) in the documented format, with the layer axis: the inverse of
+    :func:`load_weights_npz` (``--weights``), so ``load_weights_npz(save_weights_npz(p, layers))``
+    has the same arrays. Float arrays are written in at least float32 (bf16 and float16 widened,
+    exactly); the file replaces ``path`` atomically. Returns ``path``.
+
+    The format holds nothing else, so layers with more are refused, naming what the format
+    cannot hold, never written without it: norms or an FFN (write ``layers.replace(norms=Norms(),
+    ffn=None)`` for their attention alone), grouped-query attention (fewer key/value heads than
+    query heads), RoPE, q/k norms, per-layer RoPE bases, attention soft-capping. The schedule is
+    not stored: the file's layers are applied once each, or one layer is iterated with ``--steps``.
+    """
+    from ..dynamics.params import wide
     from ..io import atomic_write
-    arrays = {k: np.asarray(getattr(layers, k)) for k in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o",
-                                                           "scale", "window") if getattr(layers, k) is not None}
-    arrays["causal"] = np.asarray(layers.config.causal)
-    return atomic_write(path, lambda fh: np.savez(fh, **arrays))
+    cfg = layers.config
+    extra = [k for k in ("q_norm_scale", "k_norm_scale", "q_norm_bias", "k_norm_bias", "rope_base")
+             if getattr(layers.attn, k) is not None] + sorted(layers.norms.arrays())
+    if layers.ffn is not None:
+        extra.append("the FFN (" + ", ".join(sorted(layers.ffn.arrays())) + ")")
+    if cfg.n_kv_heads != cfg.n_heads:
+        extra.append(f"grouped-query attention ({cfg.n_kv_heads} key/value heads for {cfg.n_heads} query heads)")
+    if cfg.rope_theta is not None:
+        extra.append("RoPE (config.rope_theta)")
+    if cfg.attn_softcap is not None:
+        extra.append("attention soft-capping (config.attn_softcap)")
+    if extra:
+        raise ValueError(f"save_weights_npz: {path}: the weights format holds attention layers only "
+                         f"(W_q, W_k, W_v, W_o, biases, scale, window, causal); these layers also have "
+                         f"{'; '.join(extra)}")
+    arrays = {k: np.asarray(a) for k, a in layers.attn.arrays().items()}
+    arrays = {k: a if a.dtype.kind in "iu" else a.astype(wide(a.dtype)) for k, a in arrays.items()}
+    arrays["causal"] = np.asarray(cfg.causal)
+    atomic_write(path, lambda fh: np.savez(fh, **arrays))
+    return path

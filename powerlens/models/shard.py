@@ -14,9 +14,10 @@ What is split over ``model`` (size m):
 * the FFN width f: W_in, W_gate "float[U f d]", b_in on f, W_out "float[U d f]" on f;
 * the vocabulary: the word embeddings "float[V E]", the LM head "float[V d]" and its bias on V;
 
-one rule per field, :data:`powerlens.dynamics.params.MODEL_SPLIT` for the layers and
-:data:`MODEL_SPLIT` here for the rest of a :class:`~powerlens.models.base.Model`. A count that m
-does not divide leaves that field replicated; norms, width-d biases, scales and position
+one rule per field: each part of the layers carries its own (``SPLIT`` of
+:class:`~powerlens.dynamics.parts.Attention`, :class:`~powerlens.dynamics.parts.Norms`,
+:class:`~powerlens.dynamics.parts.FFN`), and :data:`MODEL_SPLIT` here holds those of the rest
+of a :class:`~powerlens.models.base.Model`. A count that m does not divide leaves that field replicated; norms, width-d biases, scales and position
 embeddings are replicated. Each device then holds 1/m of the attention, FFN and vocabulary
 weights (plus the replicated ones).
 
@@ -37,7 +38,8 @@ import jax
 import numpy as np
 
 from ..dynamics import execution
-from ..dynamics.params import MODEL_SPLIT as LAYER_SPLIT, Layers
+from ..dynamics.params import Layers
+from ..dynamics.parts import PARTS
 from .base import Model
 
 MODEL_SPLIT = {"word": 0, "lm_head": 0, "lm_head_bias": 0}
@@ -64,15 +66,22 @@ def _split(a, axis: Optional[int], count: Optional[int], size: int) -> Optional[
 
 
 def _layer_placements(layers: Layers, mesh) -> Layers:
+    """Each part's arrays placed by the part's own rule (its ``SPLIT``: :mod:`powerlens.dynamics.parts`)."""
     cfg, size = layers.config, mesh.shape[execution.MODEL]
     out = {}
-    for name, rule in LAYER_SPLIT.items():
-        a = getattr(layers, name)
-        if a is None:
+    for field in PARTS:
+        part = getattr(layers, field)
+        if part is None:                        # no FFN
             continue
-        axis, what = rule if rule is not None else (None, None)
-        count = None if what in (None, "ffn") else getattr(cfg, what)
-        out[name] = execution.axis_sharding(mesh, np.ndim(a), _split(a, axis, count, size))
+        placed = {}
+        for name, rule in type(part).SPLIT.items():
+            a = getattr(part, name)
+            if a is None:
+                continue
+            axis, what = rule if rule is not None else (None, None)
+            count = None if what in (None, "ffn") else getattr(cfg, what)
+            placed[name] = execution.axis_sharding(mesh, np.ndim(a), _split(a, axis, count, size))
+        out[field] = part.replace(**placed)
     return layers.replace(**out)
 
 

@@ -62,6 +62,7 @@ from ..dynamics.params import Layers
 from ..dynamics.observers import final
 from ..dynamics.run import run, run_batch
 from .directions import as_direction
+from jaxtyping import ArrayLike, Bool, Int, Real
 from .rank1 import choose_w, host_factors, host_matrices, layer_index, layer_w_choice
 
 
@@ -246,10 +247,12 @@ def steered_steps(layers: Layers, layer: int) -> Sequence[int]:
 def prepare_tokens(layers: Layers, x0, valid=None):
     """x0 -> "float[B n d]" in the layers' dtype, valid "bool[B n]" (validated)."""
     x, valid = check_batch(x0, valid, layers.config.d_model)
-    return jnp.asarray(x, layers.W_v.dtype), jnp.asarray(valid)
+    return jnp.asarray(x, layers.dtype), jnp.asarray(valid)
 
 
-def entering_states(layers: Layers, x0: "float[B n d]", valid: "bool[B n] | None" = None, *, layer: int = -1,
+def entering_states(layers: Layers, x0: Real[ArrayLike, "*B n d"],
+                    valid: Bool[ArrayLike, "*B n"] | Int[ArrayLike, "*B n"] | None = None, *,
+                    layer: int = -1,
                     rule: str = "paper", attention: str = "softmax", keep_bias: Optional[bool] = None,
                     positions=None):
     """The tokens entering the first step that applies unique layer ``layer`` "float[B n d]",

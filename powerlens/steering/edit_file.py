@@ -49,14 +49,13 @@ KINDS = ("delta_O", "rank1", "activation")
 def layer_sha256(model, layer: int) -> str:
     """sha256 (hex) of unique layer ``layer``'s arrays as held in memory: for each array of the
     layer (field order), its name, dtype, shape and bytes."""
-    import jax
     from .rank1 import layer_index
     layers = getattr(model, "layers", model)
     one = layers.layer(layer_index(layers, layer))
     h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(one)[0]:
+    for name, leaf in one.arrays().items():          # flat names, powerlens.dynamics.params.FIELDS order
         a = np.ascontiguousarray(np.asarray(leaf))
-        h.update(f"{jax.tree_util.keystr(path)}|{a.dtype.name}|{a.shape}|".encode())
+        h.update(f".{name}|{a.dtype.name}|{a.shape}|".encode())
         h.update(a.tobytes())
     return h.hexdigest()
 

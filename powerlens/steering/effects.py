@@ -67,7 +67,7 @@ def _run(layers, schedule, X, valid, rule="full"):
 
 def final_cos(layers, x0, valid, u) -> np.ndarray:
     """cos(y_i, u) of every valid final token of the ``paper`` dynamics (flat array)."""
-    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.W_v.dtype), valid, "paper"), np.float64)
+    Y = np.asarray(_run(layers, layers.schedule, jnp.asarray(x0, layers.dtype), valid, "paper"), np.float64)
     cos = (Y @ u) / np.linalg.norm(Y, axis=-1)
     return cos[np.asarray(valid, bool)]
 
@@ -97,7 +97,7 @@ def forward_final(model, x0, valid, *, layer: int = -1, add=None):
     layers = model.layers
     sched = layers.schedule
     t = last_step(layers, layer)
-    X = jnp.asarray(x0, layers.W_v.dtype)
+    X = jnp.asarray(x0, layers.dtype)
     Y = _run(layers, sched[: t + 1], X, valid)
     if add is not None:
         Y = Y + jnp.asarray(add, Y.dtype)

@@ -363,7 +363,7 @@ def last_layer_terms(layers: Layers, X, valid, layer: int, keep_bias: bool, atte
     from .alpha import _terms_batch
     p, m = _terms_batch(layers.layer(layer), X, valid, keep_bias, attention, positions)
     v = np.asarray(valid, bool)
-    dtype = layers.W_v.dtype
+    dtype = layers.dtype
     Bm = _row_basis(np.asarray(m, np.float64)[v])
     Bp = _row_basis(np.asarray(p, np.float64)[v])
     return {"p": p, "m": m, "Bp": jnp.asarray(Bp, dtype), "Bm": jnp.asarray(Bm, dtype)}
@@ -602,7 +602,7 @@ def _optimize_keywords(model_or_layers, x0, targets, *, objective: str = "alignm
     _, V, _ = host_matrices(layers, l)
     w = resolve_w(V, w, l).kind if w == "auto" else w
     R = inverse_map(V, l) if w == "inverse" else V
-    dtype = layers.W_v.dtype
+    dtype = layers.dtype
     R = jnp.asarray(R, dtype)
     U = jnp.asarray(D, dtype)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(D))

@@ -511,7 +511,7 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
         raise ValueError(f"target_prob has {levels.size} levels for {ids.size} targets")
     U = unembedding_matrix(model, rows=ids)
     U = U / np.linalg.norm(U, axis=-1, keepdims=True)
-    dtype = layers.W_v.dtype
+    dtype = layers.dtype
     x0 = np.asarray(x0, dtype)
     x0 = x0[None] if x0.ndim == 2 else x0
     vb = np.ones(x0.shape[:2], bool) if valid is None else np.asarray(valid, bool).reshape(x0.shape[:2])

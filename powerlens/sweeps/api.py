@@ -13,7 +13,7 @@ The output folder (``out``) holds, once the sweep has finished::
     figures/*.png, report.html     see :mod:`powerlens.sweeps.report`
     .chunks/*.json                 the finished chunks (kept: a finished sweep reloads at once)
 
-With several processes (:mod:`powerlens.sweeps.distributed`) every process calls
+With several processes (:mod:`powerlens.runtime.distributed`) every process calls
 ``sweep`` with the same spec and folder: process 0 checks, locks and marks the folder,
 the others wait for it; each computes its chunks; process 0 merges and writes after a
 barrier and returns the table (the others return None).
@@ -35,18 +35,18 @@ import numpy as np
 from .. import io
 from ..dynamics.options import Dynamics
 from ..dynamics.subspaces import Subspaces
-from ..dynamics.synthetic import synthetic as build_synthetic
 from .columns import series_column
-from .engine import Engine, SweepResult, barrier, static_of
+from .engine import Engine, SweepResult, barrier, program_static, shared_input, static_of
 from .grid import DYNAMIC, Grid, system_seeds
+from .provenance import folder_spec, sweep_record
 from .spec import Spec, load_spec
 from .store import ChunkFolder, MemoryStore, check_folder, prepare_folder
-from .systems import checkpoint_identity, synthetic_subspaces
+from .systems import synthetic_builder
 
 RESULTS = "results.parquet"
 
 
-def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Optional[str] = None,
+def sweep(spec, out: str | os.PathLike | None = None, *, overwrite: bool = False, plot: Optional[str] = None,
           progress: bool = True, report_files: bool = True, mode: str = "local",
           announce: Optional[Callable[[str], None]] = None):
     """Run (or resume) a sweep and return its table (a pandas DataFrame; None on processes > 0).
@@ -67,7 +67,7 @@ def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Opt
     Everything that can be checked is checked before ``out`` is touched (the spec, the plan
     and its memory, a model sweep's model, layers and prompts, a custom builder's first
     point): a refused sweep creates no folder. A model sweep's folder records the
-    checkpoint's identity (:func:`~powerlens.sweeps.systems.checkpoint_identity`): a changed
+    checkpoint's identity (:func:`~powerlens.sweeps.provenance.checkpoint_identity`): a changed
     checkpoint at the same path is refused like a changed spec.
     """
     from . import report               # matplotlib: loaded only when a sweep is run through here
@@ -98,16 +98,6 @@ def sweep(spec, out: Optional[str] = None, *, overwrite: bool = False, plot: Opt
     return result.table
 
 
-def folder_spec(spec: Spec, checkpoint: Optional[dict] = None) -> dict:
-    """What the folder's marker records of a sweep: the normalised spec, and for a model sweep
-    the checkpoint's identity (``checkpoint``, else read now; a resume refuses a changed one,
-    naming its files)."""
-    out = spec.to_dict()
-    if spec.model is not None:
-        out["checkpoint"] = checkpoint if checkpoint is not None else checkpoint_identity(spec.model["name"])
-    return out
-
-
 def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, report_files=True,
                   started: float = None) -> list:
     """results.parquet, results.csv, sweep.json (and the figures and report.html)."""
@@ -118,15 +108,7 @@ def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, re
     written = [io.write_bytes(os.path.join(target, RESULTS), buf.getvalue())]
     flat = df.drop(columns=[c for c in map(series_column, spec.measure["series"]) if c in df])
     written.append(io.write_text(os.path.join(target, "results.csv"), flat.to_csv(index=False)))
-    info = {"spec": spec.to_dict(), "versions": io.versions(), "devices": result.devices,
-            "processes": result.processes, "systems": int(len(df)), "chunks": result.chunks,
-            "chunks_computed": result.computed, "chunks_resumed": result.resumed,
-            "chunks_recomputed": result.recomputed, "non_finite": result.non_finite, "groups": result.groups,
-            "timing": {"seconds": round(time.time() - (started or time.time()), 3),
-                       "compute_seconds": round(result.compute_seconds, 3),
-                       "systems_computed": result.systems_computed,
-                       "systems_per_second": (round(result.systems_computed / result.compute_seconds, 2)
-                                              if result.compute_seconds > 0 else None)}}
+    info = sweep_record(spec, result, len(df), started)
     if report_files:
         figures = report.write_figures(target, df, spec, plot)
         written += [os.path.join(target, f) for f in figures]
@@ -137,7 +119,7 @@ def write_outputs(target: str, spec: Spec, result: SweepResult, *, plot=None, re
     return written
 
 
-def load_sweep(out: str):
+def load_sweep(out: str | os.PathLike):
     """The table of a finished sweep folder (results.parquet) as a pandas DataFrame."""
     import pandas as pd
     path = os.path.join(os.fspath(out), RESULTS)
@@ -254,14 +236,15 @@ def sweep_system(out_dir_or_spec, row) -> SweepSystem:
     how = {"rule": st.rule, "attention": st.attention, "keep_bias": st.keep_bias or None, "x64": st.x64}
     builder = spec.system.get("builder", "synthetic")
     with jax.enable_x64(st.x64):
-        if spec.model is None and builder == "synthetic":
+        if spec.model is None and builder == "synthetic":       # the engine's builder, one system
             dt = np.float64 if st.x64 else np.float32
-            values = {k: np.asarray(_row_value(row, k, spec, grid), dt) for k in DYNAMIC}
-            build = jax.jit(build_synthetic, static_argnums=2)
-            layers, facts = jax.device_get(build(np.int32(row["seed"]), values, st.synthetic))
-            x0 = facts.pop("x0")
-            return SweepSystem(layers=layers, x0=x0, valid=np.ones(x0.shape[0], bool),
-                               subspaces=synthetic_subspaces(facts), facts=facts, **how)
+            values = {k: np.asarray(_row_value(row, k, spec, grid), dt)[None] for k in DYNAMIC}
+            build = synthetic_builder(program_static(st, True).synthetic)
+            sy, facts = jax.device_get(build(shared_input(st, True), np.array([row["seed"]], np.int32), values))
+            sy, facts = jax.tree_util.tree_map(lambda a: a[0], (sy, facts))
+            facts.pop("x0")
+            return SweepSystem(layers=sy.layers, x0=sy.x0, valid=np.ones(sy.x0.shape[0], bool),
+                               subspaces=jax.tree_util.tree_map(jnp.asarray, sy.subspaces), facts=facts, **how)
         sy = Engine(spec, progress=False).systems_of([system])
     one = jax.tree_util.tree_map(lambda a: a[0], sy)
     facts = {"lam": np.asarray(one.lam), "dim": np.asarray(one.dim), "direction": one.direction,

@@ -44,6 +44,7 @@ from typing import Dict, Mapping
 import numpy as np
 
 from ..dynamics.measures import mean_angle
+from jaxtyping import ArrayLike, Float, Real
 
 MEASURED = ("lambda1_re", "lambda1_im", "lambda2_re", "lambda2_im", "principal_dim",
             "consensus_rate_pred", "direction_rate_pred", "rotation_pred", "top2_rate_pred",
@@ -60,8 +61,8 @@ INTEGER = ("principal_dim",)
 MIN_POINTS = 3
 
 
-def fit_rates(values: "float[S L]", window="auto", eps: float = np.finfo(np.float64).eps,
-              min_points: int = MIN_POINTS) -> "float[S]":
+def fit_rates(values: Real[ArrayLike, "S L"], window="auto", eps: float = np.finfo(np.float64).eps,
+              min_points: int = MIN_POINTS) -> Float[np.ndarray, "S"]:
     """exp(slope) of log(values) over each row's window (module docstring); NaN if too few points."""
     v = np.atleast_2d(np.asarray(values, np.float64))
     t = np.arange(v.shape[1], dtype=np.float64)

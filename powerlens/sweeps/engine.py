@@ -12,80 +12,46 @@
   micro-batches of its share. Synthetic systems are built inside the program from their
   seeds; a model's or a custom builder's systems are built on the host and placed.
 * Before anything is compiled the engine checks what it can: a model sweep's model, layers
-  and prompts, a custom builder's first point, and the memory of one chunk of every group
-  (:func:`chunk_estimate`: the parts of ``simulate``'s own estimate,
-  :func:`powerlens.analysis.budget.run_estimate`, plus the sweep's). The chunk size is the
-  largest that fits the device's memory (a fixed budget on CPUs) and the host's, capped so
-  that progress and resumption stay fine-grained, and balanced so that the last chunk is
-  not mostly padding; a group whose smallest chunk does not fit is refused naming the key
-  that makes it large (steps, tokens, micro_batch, ...). Every chunk of a group is padded to
-  the same size: one compilation per group, and one for all the groups that differ only in
-  an explicit spectrum (:func:`program_static`: its slots are an argument every system of a
-  chunk shares, :func:`shared_input`; :attr:`Engine.programs` counts the compilations). The
-  plan (:class:`Plan`) is index arithmetic: no chunk is listed.
+  and prompts, a custom builder's first point; then :class:`~powerlens.sweeps.plan.Planner`
+  sizes the chunks of every group from the memory model and the device facts, or refuses
+  the sweep naming the key that makes it large (plain Python: :mod:`powerlens.sweeps.plan`).
+  Every chunk of a group is padded to the same size: one compilation per group, and one for
+  all the groups that differ only in an explicit spectrum (:func:`program_static`: its slots
+  are an argument every system of a chunk shares, :func:`shared_input`;
+  :attr:`Engine.programs` counts the compilations).
 * Chunk j goes to process j mod N (``"local"`` mode: each process runs its chunks on its
   own devices); in ``"global"`` mode every chunk is sharded over the global mesh of all
   processes' devices. A finished chunk is reduced to its columns on the host and stored at
-  once with its provenance (the spec's hash, its group and index, a checksum of its rows);
-  a stored chunk is taken in only if all of these match (else it is recomputed, and the log
-  says why). The next chunk is dispatched (and a new group compiled) before the previous
-  one is reduced, so host work overlaps device work.
+  once with its provenance (:mod:`powerlens.sweeps.provenance`: the spec's hash, its group
+  and index, a checksum of its rows); a stored chunk is taken in only if all of these match
+  (else it is recomputed, and the log says why). The next chunk is dispatched (and a new
+  group compiled) before the previous one is reduced, so host work overlaps device work.
 * The numbers of a system do not depend on the chunking, the process count or resumption:
   each device always runs the same micro-batch program.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
-import hashlib
-import json
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import numpy as np
 
-from ..analysis.budget import Estimate, available_bytes, format_bytes, run_estimate
+from ..analysis.budget import Estimate, available_bytes, format_bytes
 from ..dynamics import execution
 from ..dynamics.execution import map_systems, micro_size, padded_size
-from . import columns
+from . import columns, provenance
 from .grid import DYNAMIC, EXPLICIT, Grid, Group, compiled_keys, explicit_slots, program_key, system_seeds
 from .measures import measure
+from .plan import Chunk, Devices, Planner, shapes_by_group, where
+from .plan import Plan, chunk_estimate  # noqa: F401  (re-exported: engine.Plan, engine.chunk_estimate)
 from .spec import Spec
-from .store import jsonable
-from .systems import (Static, Systems, call_builder, check_model, checkpoint_identity, concat, model_systems,
-                      spec_builder, synthetic_systems)
-
-CPU_BUDGET = 1 << 30           # bytes per CPU device for one chunk
-MAX_CHUNK = {"cpu": 1024}      # systems per chunk at most (accelerators: 16384)
-MAX_CHUNKS = 1_000_000         # chunks a sweep may have (one file each)
-REFERENCES = 3                 # principal, random control, other layer (powerlens.dynamics.subspaces)
-LIST_BYTES = 56
-"""Host bytes of one number of a chunk's columns: a Python float, its list slot and its JSON
-text (the columns are JSON-ready lists until the table is built)."""
-FORMAT = 1
-"""The version of a stored chunk's layout (part of its provenance)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """Systems [start, stop) of group ``group`` (its own numbering), padded to ``size``."""
-
-    group: int
-    index: int
-    start: int
-    stop: int
-    size: int
-
-    @property
-    def name(self) -> str:
-        return f"g{self.group:03d}-c{self.index:06d}"
-
-    @property
-    def n(self) -> int:
-        return self.stop - self.start
+from .store import jsonable, stored
+from .systems import (Static, Systems, call_builder, check_model, concat, model_systems, spec_builder,
+                      synthetic_builder, synthetic_systems)
 
 
 @dataclasses.dataclass
@@ -114,34 +80,6 @@ def static_of(spec: Spec, group: Group) -> Static:
                   keep_bias=s["keep_bias"], x64=s["x64"], series=tuple(spec.measure["series"]))
 
 
-def chunk_estimate(st: Static, shapes: Mapping[str, int], systems: int, attention_batch: int) -> Estimate:
-    """The memory of one chunk of ``systems`` (padded) systems of T steps, n tokens, width d,
-    H heads of size e, floats of s bytes, ``attention_batch`` of them in one vmap step at once
-    (over every device). The parts of ``simulate``'s estimate
-    (:func:`~powerlens.analysis.budget.run_estimate`: the chunk's initial tokens, its
-    per-step measures, kept for all T + 1 steps since one scan runs them, and the attention of
-    what runs at once), and the sweep's own::
-
-        systems       S (12 d² + 4 n d + 16 d) s      weights (built in the program or placed),
-                                                      the build's d x d temporaries, subspaces
-        host copies   S (T+1) (4m+5+k) 8              the raw series on the host, float64 for
-                                                      the columns (k: requested series per step)
-        series        S (T+1) k (s + LIST_BYTES)      the requested series as JSON-ready lists
-    """
-    T, S = int(st.steps), int(systems)
-    d, n = int(shapes["d"]), int(shapes["tokens"])
-    s = 8 if st.x64 else 4
-    base = run_estimate(steps=T, batch=S, tokens=n, d=d, heads=int(shapes["heads"]), d_head=int(shapes["d_head"]),
-                        kv_heads=shapes.get("kv_heads"), itemsize=s, orders=0, references=REFERENCES,
-                        steps_per_chunk=T + 1, attention_batch=attention_batch)
-    k = sum(n if name == "plane_angle" else 1 for name in st.series)
-    parts = {**base.parts,
-             "systems": S * (12 * d * d + 4 * n * d + 16 * d) * s,
-             "host copies": S * (T + 1) * (4 * REFERENCES + 5 + k) * 8,
-             "series": S * (T + 1) * k * (s + LIST_BYTES)}
-    return Estimate(parts={name: v for name, v in parts.items() if v}, advice="")
-
-
 def _platform() -> str:
     return jax.local_devices()[0].platform
 
@@ -156,82 +94,6 @@ def _device_memory() -> Optional[int]:
     dev = jax.local_devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
-
-
-def _budget() -> int:
-    """Bytes one device should spend on a chunk (what chunks are sized to): 40 % of an
-    accelerator's memory, CPU_BUDGET on a CPU."""
-    memory = _device_memory()
-    return int(0.4 * memory) if memory else CPU_BUDGET
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Every chunk of a sweep, group after group, as index arithmetic (the same on every
-    process): group g has ``counts[g]`` chunks of ``sizes[g]`` systems (the last one shorter);
-    chunk j of the sweep is chunk j - first[g] of its group. ``estimates[g]``: the memory of
-    one of its chunks (padded), ``limit``: the memory a chunk can have (the host's, and the
-    devices' on accelerators)."""
-
-    groups: tuple
-    sizes: tuple
-    estimates: tuple
-    limit: float
-
-    @functools.cached_property
-    def counts(self) -> tuple:
-        return tuple(-(-g.n_systems // s) for g, s in zip(self.groups, self.sizes))
-
-    @functools.cached_property
-    def first(self) -> tuple:
-        return tuple(np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])[:-1].tolist())
-
-    def __len__(self) -> int:
-        return int(sum(self.counts))
-
-    def __getitem__(self, j: int) -> Chunk:
-        if not 0 <= j < len(self):
-            raise IndexError(j)
-        g = bisect.bisect_right(self.first, j) - 1
-        k, size, n = j - self.first[g], self.sizes[g], self.groups[g].n_systems
-        return Chunk(g, k, k * size, min((k + 1) * size, n), size)
-
-    def __iter__(self):
-        return (self[j] for j in range(len(self)))
-
-    def of_process(self, rank: int, nproc: int) -> List[Chunk]:
-        """The chunks j with j mod nproc == rank."""
-        return [self[j] for j in range(rank, len(self), nproc)]
-
-
-def spec_hash(spec: Spec, checkpoint: Optional[dict] = None, prefix: str = "") -> str:
-    """sha256 of what a sweep's rows depend on: the normalised spec, the checkpoint of a
-    model sweep, the chunk names' prefix and the chunk layout."""
-    blob = json.dumps({"spec": spec.to_dict(), "checkpoint": checkpoint, "prefix": prefix, "format": FORMAT},
-                      sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def rows_checksum(systems: list, cols: Mapping[str, list]) -> str:
-    """sha256 of a chunk's rows as stored (JSON-ready: NaN is null)."""
-    blob = json.dumps({"system": systems, "columns": cols}, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-class _Missing(Exception):
-    """Raised by the compute function that only asks a store whether it has a chunk."""
-
-
-def _missing():
-    raise _Missing
-
-
-def stored(store, name: str):
-    """The chunk ``name`` from ``store``, or None (stores expose only ``cached``)."""
-    try:
-        return store.cached(name, _missing)
-    except _Missing:
-        return None
 
 
 HOST_BUILT = ("d", "tokens", "heads", "kind", "spectrum", "init")
@@ -304,25 +166,19 @@ class Engine:
         self.build = model_systems if spec.model is not None else (
             None if self.device_built else spec_builder(spec))
         self._built: Dict[int, Systems] = {}       # host-built points kept from the checks, by point
-        self.checkpoint = (checkpoint_identity(spec.model["name"], progress=progress) if spec.model is not None
-                           else None)
+        self.checkpoint = (provenance.checkpoint_identity(spec.model["name"], progress=progress)
+                           if spec.model is not None else None)
         self.shapes = self._check_systems()
-        self.plan = self._plan()
-        self.hash = spec_hash(spec, self.checkpoint, prefix)
+        self.planner = Planner(
+            spec, self.groups, self.statics, shapes_by_group(self.statics, self.shapes),
+            device_built=self.device_built, host=available_bytes(),
+            devices=Devices(self.mesh.size, self.micro, _platform(), _device_memory()), pad=padded_size,
+            width=len(self.grid.columns(np.zeros(1, np.int64))) + len(columns.MEASURED))
+        self.plan = self.planner.plan()           # a ValueError naming the key when refused
+        self.hash = provenance.spec_hash(spec, self.checkpoint, prefix)
         self._stale: Dict[str, str] = {}
 
     # ------------------------------------------------------------------ checks and plan
-
-    def _where(self, key: str) -> str:
-        """Where ``key`` is set in the spec, for a message: ``SOURCE: [grid] steps``."""
-        s = self.spec
-        if key in s.grid:
-            table = "grid"
-        elif key == "prompts":
-            table = "model"
-        else:
-            table = "run" if key in s.run else "system"
-        return f"{s.source}: [{table}] {key}"
 
     def _check_systems(self) -> Optional[Dict[str, int]]:
         """The shapes of host-built systems (None for synthetic ones, whose group fixes them),
@@ -337,121 +193,20 @@ class Engine:
             sy = self._built[0] = self._host_systems(np.array([0]))    # kept for that chunk
         cfg = sy.layers.config
         if "full" in {st.rule for st in self.statics} and (sy.layers.W_in is None or cfg.ffn_activation is None):
-            raise ValueError(f"{self._where('rule')}: \"full\" runs the model's own block, FFN included, and the "
+            raise ValueError(f"{where(spec, 'rule')}: \"full\" runs the model's own block, FFN included, and the "
                              f"systems of builder {spec.system['builder']!r} have none; use paper, post_ln or pre_ln")
         n, d = np.shape(sy.x0)[-2:]
         return {"d": int(d), "tokens": int(n), "heads": int(cfg.n_heads), "d_head": int(cfg.d_head),
                 "kv_heads": int(cfg.n_kv_heads)}
 
     def _shapes(self, st: Static) -> Dict[str, int]:
-        if self.shapes is not None:
-            return self.shapes
-        return {"d": st.d, "tokens": st.tokens, "heads": st.heads, "d_head": st.d // st.heads}
+        """The shapes of the systems of the group of ``st`` (:func:`~powerlens.sweeps.plan.shapes_by_group`)."""
+        return shapes_by_group([st], self.shapes)[0]
 
     def estimate(self, group: int, systems: int) -> Estimate:
-        """The memory of a chunk of ``systems`` systems of ``group``, padded as it will run."""
-        return self._estimate(group, systems, self.micro)
-
-    def _estimate(self, group: int, systems: int, micro: Optional[int]) -> Estimate:
-        st, ndev = self.statics[group], self.mesh.size
-        padded = padded_size(systems, ndev, micro)
-        return chunk_estimate(st, self._shapes(st), padded, ndev * (micro or padded // ndev))
-
-    def _plan(self) -> Plan:
-        """Chunks sized to the budget (the devices' share, at most the host's memory); refused
-        when the smallest (or the spec's) chunk exceeds the memory there is."""
-        ndev, host = self.mesh.size, available_bytes()
-        budget = float(min(_budget() * ndev, host))
-        memory = _device_memory()
-        limit = float(min(memory * ndev, host) if memory else host)
-        sizes, estimates = [], []
-        for g in self.groups:
-            size = self._chunk_size(g, budget)
-            est = self.estimate(g.index, size)
-            smallest = 1 if self.device_built else g.replicates
-            while est.total > budget and size > smallest and not self.spec.run["chunk_size"]:
-                size = max(smallest, size // 2 // smallest * smallest)     # padding made it too large
-                est = self.estimate(g.index, size)
-            if est.total > limit:
-                raise ValueError(self._refusal(g, size, est, limit))
-            sizes.append(size)
-            estimates.append(est)
-        plan = Plan(tuple(self.groups), tuple(sizes), tuple(estimates), limit)
-        if len(plan) > MAX_CHUNKS:
-            key = "chunk_size" if self.spec.run["chunk_size"] else "steps"
-            raise ValueError(f"{self._where(key)}: the sweep would run in {len(plan):,} chunks (one file each); "
-                             f"at most {MAX_CHUNKS:,}: use larger chunks or fewer systems")
-        self._check_table()
-        return plan
-
-    def _chunk_size(self, group: Group, budget: float) -> int:
-        """Systems per chunk for ``group``: the spec's ``chunk_size``, else the most that fit
-        ``budget`` (at most :data:`MAX_CHUNK`), balanced over the group and rounded to the
-        micro-batch; whole points for host-built systems."""
-        G, R = group.n_systems, group.replicates
-        micro, ndev = self.micro or 1, self.mesh.size
-        if self.spec.run["chunk_size"]:
-            size = self.spec.run["chunk_size"]
-        else:
-            st = self.statics[group.index]
-            at = lambda systems, width: chunk_estimate(st, self._shapes(st), systems, width).total
-            c0 = at(0, 0)                                   # the estimate is affine in both counts
-            per_system, per_width = at(1, 0) - c0, at(0, 1) - c0
-            fixed = c0 + (per_width * ndev * self.micro if self.micro else 0)
-            fit = max(int((budget - fixed) // max(per_system + (0 if self.micro else per_width), 1)), 1)
-            size = max(1, min(MAX_CHUNK.get(_platform(), 16384), fit, G))
-            size = -(-G // -(-G // size))                      # balanced: the last chunk is not mostly padding
-            if size > micro:
-                up = -(-size // micro) * micro
-                size = up if padded_size(up, ndev, self.micro) <= fit else size // micro * micro
-        if not self.device_built:
-            size = max(R, size // R * R)
-        return min(size, G)
-
-    def _refusal(self, group: Group, size: int, est: Estimate, limit: float) -> str:
-        """Why the smallest chunk of ``group`` does not fit, naming the key that makes it large."""
-        spec, R = self.spec, group.replicates
-        fits = lambda n, micro=self.micro: self._estimate(group.index, n, micro).total <= limit
-        if spec.run["chunk_size"] and fits(R if not self.device_built else 1):
-            key, advice = "chunk_size", "use a smaller chunk_size, or 0 to size the chunks from this estimate"
-        elif isinstance(spec.run["micro_batch"], int) and self.micro > 1 and fits(1, 1):   # set, not "auto"
-            key, advice = "micro_batch", "use a smaller micro_batch, or \"auto\""
-        elif not self.device_built and R > 1 and fits(1):
-            key = "prompts" if spec.model is not None else "replicates"
-            advice = f"use fewer {key} (a chunk of host-built systems holds whole points)"
-        else:
-            big = max(est.parts, key=est.parts.get)
-            key = {"attention": "tokens", "initial tokens": "tokens", "systems": "d", "series": "series"}.get(
-                big, "steps")
-            if spec.model is not None and key in ("tokens", "d"):
-                key = "prompts" if key == "tokens" else "name"
-            smaller = (self.micro or 1) > 1 and fits(1, 1)
-            advice = {"steps": "use fewer steps" + (f" (or micro_batch = 1: {self.micro} systems run at once "
-                                                    f"by default)" if smaller else ""),
-                      "tokens": "use fewer tokens", "d": "use a smaller d",
-                      "series": "ask for fewer series or fewer steps", "prompts": "use shorter prompts",
-                      "name": "use a smaller model"}[key]
-        where = f"{spec.source}: [measure] series" if key == "series" else (
-            f"{spec.source}: [model] {key}" if key in ("prompts", "name") else self._where(key))
-        return (f"{where}: one chunk of {padded_size(size, self.mesh.size, self.micro):,} systems "
-                f"(group {group.index}: {_static_text(group.static)}) needs {est.describe()}, more than the "
-                f"{format_bytes(limit)} available; {advice}")
-
-    def _check_table(self) -> None:
-        """The whole table (every row's columns and series, as JSON-ready lists until the
-        DataFrame is built) must fit the host's memory."""
-        spec = self.spec
-        width = len(self.grid.columns(np.zeros(1, np.int64))) + len(columns.MEASURED)
-        cells = sum(g.n_systems * (width + (st.steps + 1) * sum(
-            (self._shapes(st)["tokens"] if k == "plane_angle" else 1) for k in st.series))
-            for g, st in zip(self.groups, self.statics))
-        need, avail = cells * LIST_BYTES, available_bytes()
-        if need > avail:
-            key = ("[measure] series" if any(st.series for st in self.statics) else
-                   "[model] prompts" if spec.model is not None else "[system] replicates")
-            raise ValueError(f"{spec.source}: {key}: the table of {self.grid.n_systems:,} systems needs about "
-                             f"{format_bytes(need)}, more than the {format_bytes(avail)} available; "
-                             f"use fewer systems{' or series' if 'series' in key else ''}")
+        """The memory of a chunk of ``systems`` systems of ``group``, padded as it will run
+        (:func:`~powerlens.sweeps.plan.chunk_estimate`)."""
+        return self.planner.estimate(group, systems)
 
     def describe(self) -> str:
         """What will run, in one line: systems, groups (one compilation each) and the grid keys
@@ -536,13 +291,9 @@ class Engine:
                 sy = self._host_systems(np.unique(ids // R))
                 pos = np.searchsorted(np.unique(ids // R), ids // R) * R + ids % R
                 return jax.tree_util.tree_map(lambda a: np.asarray(a)[pos], sy)
-            slots, prog = shared_input(st, True), program_static(st, True)
-            if slots is None:
-                build = jax.jit(jax.vmap(lambda seed, q: synthetic_systems(seed, q, st)))
-                return jax.tree_util.tree_map(np.asarray, build(*self._seeds_and_values(ids, st)))
-            build = jax.jit(jax.vmap(lambda e, seed, q: synthetic_systems(seed, {**q, "eigenvalues": e}, prog),
-                                     in_axes=(None, 0, 0)))
-            return jax.tree_util.tree_map(np.asarray, build(slots, *self._seeds_and_values(ids, st)))
+            build = synthetic_builder(program_static(st, True).synthetic)
+            sy, _ = build(shared_input(st, True), *self._seeds_and_values(ids, st))
+            return jax.tree_util.tree_map(np.asarray, sy)
 
     def _gather(self, out):
         if self.mode == "local":
@@ -553,38 +304,14 @@ class Engine:
     # ------------------------------------------------------------------ stored chunks
 
     def mismatch(self, chunk: Chunk, value) -> Optional[str]:
-        """Why a stored ``value`` is not chunk ``chunk`` of this sweep (None: it is): its
-        provenance (spec hash, group, index), its systems, its columns, its rows' checksum."""
-        if not isinstance(value, dict):
-            return f"holds {type(value).__name__ if value is not None else 'null'}, not a chunk"
-        prov, ids, cols = value.get("provenance"), value.get("system"), value.get("columns")
-        if not isinstance(prov, dict):
-            return "records no provenance"
-        if prov.get("spec") != self.hash:
-            return "was computed for another spec (or another checkpoint)"
-        if (prov.get("group"), prov.get("chunk")) != (chunk.group, chunk.index):
-            return f"is chunk {prov.get('chunk')} of group {prov.get('group')}, not this one"
-        if ids != self.groups[chunk.group].systems(chunk.start, chunk.stop).tolist():
-            return "holds other systems than this chunk's"
-        made = set(self.grid.columns(ids[:1])) | set(columns.MEASURED)     # every chunk's columns ...
-        series = {columns.series_column(k) for k in self.statics[chunk.group].series}   # ... and these
-        if not isinstance(cols, dict) or any(not isinstance(v, list) or len(v) != chunk.n for v in cols.values()) \
-                or not made <= set(cols):
-            return "does not hold one value of every column per system"
-        extra = sorted(set(cols) - made - series)
-        if extra:
-            return f"holds columns this sweep does not make ({', '.join(extra[:3])})"
-        odd = next((k for k in columns.MEASURED if any(x is not None and type(x) not in (int, float, bool)
-                                                        for x in cols[k])), None)
-        if odd is not None:
-            return f"holds a value that is not a number in column {odd}"
-        try:
-            rows = rows_checksum(ids, cols)
-        except ValueError:                           # a NaN or an infinity: powerlens stores them as null
-            return "holds a NaN or infinite value (powerlens stores them as null)"
-        if prov.get("rows") != rows:
-            return "has rows that do not match its checksum (edited or damaged)"
-        return None
+        """Why a stored ``value`` is not chunk ``chunk`` of this sweep (None: it is):
+        :func:`powerlens.sweeps.provenance.mismatch` with this sweep's spec hash, the chunk's
+        systems and the columns its rows have."""
+        ids = self.groups[chunk.group].systems(chunk.start, chunk.stop)
+        return provenance.mismatch(
+            value, spec=self.hash, chunk=chunk, ids=ids.tolist(), measured=columns.MEASURED,
+            made=set(self.grid.columns(ids[:1])) | set(columns.MEASURED),          # every chunk's columns ...
+            series={columns.series_column(k) for k in self.statics[chunk.group].series})   # ... and these
 
     def load(self, chunk: Chunk):
         """The stored chunk if it matches this sweep, else None (noting why: it is recomputed)."""
@@ -627,8 +354,7 @@ class Engine:
         eps = float(np.finfo(np.float64 if st.x64 else np.float32).eps)
         cols = columns.reduce(raw, self.spec.measure, eps, st.series)
         rows = jsonable({"system": ids.tolist(), "columns": {**self.grid.columns(ids), **cols}})
-        value = {"provenance": {"spec": self.hash, "group": chunk.group, "chunk": chunk.index,
-                                "rows": rows_checksum(rows["system"], rows["columns"])}, **rows}
+        value = provenance.stamp(rows, self.hash, chunk)
         if self.mode == "local" or self.rank == 0:
             name = self.prefix + chunk.name
             if name not in self._stale:
@@ -696,12 +422,6 @@ class Engine:
                 values[pending[0].name] = self.finish(pending)
                 update(pending[0].n)
             pending = launched
-
-
-def _static_text(static: Mapping) -> str:
-    """A group's static keys that are set, for a message: ``d=4, tokens=4, steps=1000000000``."""
-    keys = ("d", "tokens", "heads", "steps", "rule")
-    return ", ".join(f"{k}={static[k]}" for k in keys if static.get(k) is not None)
 
 
 def barrier(name: str) -> None:

@@ -27,6 +27,10 @@ runs it as it is, with the rights of the user. Its module is imported only if it
 installed (found on ``sys.path`` without the current directory: a file that happens to lie
 where the command runs is never imported), or from the file that ``builder_path`` names
 (relative to the spec's folder). It is imported only once the rest of the spec is valid.
+
+The kinds of key (counts, ranges, choices, ...) and the one-line refusals are
+:mod:`powerlens.sweeps.schema`'s; this module holds the sweep's own tables and the checks
+across keys (heads dividing d, an explicit spectrum fitting d, the values' precision, the model).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 
@@ -43,6 +47,9 @@ from ..dynamics.attention import ATTENTION_MODES
 from ..dynamics.layer import RULES
 from ..dynamics.synthetic import INITS, KINDS, NORMAL_MAX, noise_limit, nonnormality_limit, parse_spectrum
 from ..io import read_toml  # noqa: F401  (a spec's TOML, read before any numerical library is imported)
+from ..models.load import resolve
+from .schema import (Key, batch, boolean, choice, count, fail, interval, layer_list, names, real, scalar, show, text,
+                     window)
 from .sources import builder_file, host_builder, model_layers
 
 MAX_POINTS = 10_000_000
@@ -54,8 +61,6 @@ MAX_GROUPS = 10_000
 MAX_SYSTEM_STEPS = 2 ** 31 - 1
 """Steps of one system of a sweep at most (the schedule's index is an int32)."""
 MAX_SEED = 2 ** 64 - 1
-SHOW = 80
-"""Characters of a bad value shown in a message."""
 SERIES = ("consensus", "gamma", "rotation", "direction_tan", "top2_tan", "plane_angle")
 STATIC = ("d", "tokens", "heads", "kind", "spectrum", "init", "steps", "attention", "rule", "order",
           "keep_bias", "x64")
@@ -66,122 +71,6 @@ DYNAMIC = ("beta", "top", "rest", "imag", "pair", "nonnormality", "cone", "noise
 per system, arguments of the compiled program."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """One key of the schema: ``check(value, where) -> value`` validates one (scalar) value."""
-
-    default: Any
-    check: Callable[[Any, str], Any]
-    griddable: bool = True
-
-
-def _fail(where: str, msg: str):
-    raise ValueError(f"{where}: {msg}")
-
-
-def show(v) -> str:
-    """A value for a message: its JSON (repr if it has none), cut to :data:`SHOW` characters."""
-    try:
-        text = json.dumps(v)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(v)
-    return text if len(text) <= SHOW else text[:SHOW - 4] + " ..."
-
-
-def _scalar(v, where):
-    if isinstance(v, (list, dict)):
-        _fail(where, f"{show(v)} is a list where a scalar is needed (a list of values belongs in [grid])")
-    return v
-
-
-def count(minimum: int = 1, default: int = 1, griddable: bool = True, maximum: Optional[int] = None) -> Key:
-    def check(v, where):
-        _scalar(v, where)
-        if isinstance(v, bool) or not isinstance(v, int):
-            _fail(where, f"must be an integer, got {show(v)}")
-        if v < minimum:
-            word = "negative" if v < 0 else "too small"
-            _fail(where, f"{word} count {v}: must be an integer >= {minimum}")
-        if maximum is not None and v > maximum:
-            _fail(where, f"{v} is too large: must be an integer <= {maximum:,}")
-        return int(v)
-    return Key(default, check, griddable)
-
-
-def real(default: float, lo: float = -math.inf, hi: float = math.inf) -> Key:
-    def check(v, where):
-        _scalar(v, where)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            _fail(where, f"must be a finite number, got {show(v)}")
-        if not lo <= v <= hi:
-            _fail(where, f"must lie in [{lo}, {hi}], got {v!r}")
-        return float(v)
-    return Key(default, check)
-
-
-def choice(options, default) -> Key:
-    def check(v, where):
-        _scalar(v, where)
-        if v not in options:
-            _fail(where, f"unknown value {show(v)}; expected one of {', '.join(map(str, options))}")
-        return v
-    return Key(default, check)
-
-
-def boolean(default: bool) -> Key:
-    def check(v, where):
-        _scalar(v, where)
-        if not isinstance(v, bool):
-            _fail(where, f"must be true or false, got {show(v)}")
-        return v
-    return Key(default, check)
-
-
-def interval(default) -> Key:
-    """A range [lo, hi] of two numbers (one value, not a grid axis)."""
-    def check(v, where):
-        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                             and math.isfinite(x) for x in v)) or v[0] > v[1]:
-            _fail(where, f"must be a range [lo, hi] of two finite numbers with lo <= hi, got {show(v)}")
-        return [float(v[0]), float(v[1])]
-    return Key(default, check)
-
-
-def window(default="auto") -> Key:
-    """``"auto"`` or a range (lo, hi) with 0 < lo < hi: the values a rate is fitted over."""
-    rng = interval(None).check
-
-    def check(v, where):
-        if v == "auto":
-            return v
-        lo, hi = rng(v, where)
-        if not 0 < lo < hi:
-            _fail(where, f"must be \"auto\" or [lo, hi] with 0 < lo < hi, got {show(v)}")
-        return [lo, hi]
-    return Key(default, check, griddable=False)
-
-
-def batch(default="auto") -> Key:
-    """Systems per vmap step on a device: ``"auto"`` (8 on a CPU, all on an accelerator),
-    ``"all"`` or a positive integer. It is part of the spec because XLA's rounding can depend
-    on the vector width: with a fixed width the numbers do not depend on the chunking."""
-    def check(v, where):
-        if v in ("auto", "all"):
-            return v
-        return count(1, 1).check(v, where)
-    return Key(default, check, griddable=False)
-
-
-def text(default, griddable=True, empty: bool = False) -> Key:
-    """A string (non-empty unless ``empty``)."""
-    def check(v, where):
-        _scalar(v, where)
-        if not isinstance(v, str) or not (v.strip() or empty):
-            _fail(where, f"must be a {'' if empty else 'non-empty '}string, got {show(v)}")
-        return v
-    return Key(default, check, griddable)
-
-
 def spectrum() -> Key:
     def check(v, where):
         text(None).check(v, where)
@@ -189,32 +78,9 @@ def spectrum() -> Key:
             try:
                 parse_spectrum(v)
             except ValueError as exc:
-                _fail(where, str(exc))
+                fail(where, str(exc))
         return v
     return Key("random", check)
-
-
-def names(options=None, default=(), nonempty=False) -> Key:
-    def check(v, where):
-        if not isinstance(v, list) or not all(isinstance(x, str) and x.strip() for x in v):
-            _fail(where, f"must be a list of non-empty strings, got {show(v)}")
-        if nonempty and not v:
-            _fail(where, "must not be empty")
-        bad = [x for x in v if options is not None and x not in options]
-        if bad:
-            _fail(where, f"unknown name(s) {bad}; expected some of {', '.join(options)}")
-        return list(v)
-    return Key(list(default), check, griddable=False)
-
-
-def layer_list() -> Key:
-    def check(v, where):
-        if v == "all":
-            return v
-        if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            _fail(where, f"must be \"all\" or a non-empty list of layer indices, got {show(v)}")
-        return list(v)
-    return Key("all", check, griddable=False)
 
 
 SCHEMA: Dict[str, Dict[str, Key]] = {
@@ -297,23 +163,6 @@ class Spec:
         return out
 
 
-def flatten(doc: Mapping, prefix: str = "") -> Dict[str, Any]:
-    """``{"system": {"d": 8}}`` -> ``{"system.d": 8}``."""
-    out = {}
-    for k, v in doc.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def differing_keys(a: Mapping, b: Mapping) -> List[str]:
-    """The dotted keys whose values differ between two normalised specs (``to_dict``)."""
-    fa, fb = flatten(a), flatten(b)
-    return sorted(k for k in set(fa) | set(fb) if fa.get(k, None) != fb.get(k, None))
-
-
 def load_spec(source, overrides: Optional[Mapping] = None) -> Spec:
     """A :class:`Spec` from a TOML path, a raw dict or a Spec; ``overrides`` are merged into
     the raw tables first (``{"system": {"replicates": 4}}``)."""
@@ -353,12 +202,12 @@ def _parse(raw: Mapping, source: str) -> Spec:
     for key, value in raw.items():
         if key in TABLES:
             if not isinstance(value, Mapping):
-                _fail(f"{source}: [{key}]", "must be a table")
+                fail(f"{source}: [{key}]", "must be a table")
             continue
         if isinstance(value, Mapping):
-            _fail(f"{source}: [{key}]", f"unknown table; expected some of {', '.join('[' + t + ']' for t in TABLES)}")
+            fail(f"{source}: [{key}]", f"unknown table; expected some of {', '.join('[' + t + ']' for t in TABLES)}")
         if key not in SCHEMA[""]:
-            _fail(f"{source}: {key}", f"unknown key; expected name, seed or the tables {', '.join(TABLES)}")
+            fail(f"{source}: {key}", f"unknown key; expected name, seed or the tables {', '.join(TABLES)}")
         top[key] = SCHEMA[""][key].check(value, where("", key))
     model = raw.get("model")
     system = raw.get("system", {})
@@ -366,9 +215,9 @@ def _parse(raw: Mapping, source: str) -> Spec:
                for k in ("builder", "builder_path") if k in system and model is None}
     name = builder.get("builder", "synthetic")
     if name != "synthetic" and ":" not in name:
-        _fail(where("system", "builder"), f"must be \"synthetic\" or \"module:function\", got {name!r}")
+        fail(where("system", "builder"), f"must be \"synthetic\" or \"module:function\", got {name!r}")
     if builder.get("builder_path") and name == "synthetic":
-        _fail(where("system", "builder_path"), "names the file of a custom builder; give builder = \"module:function\"")
+        fail(where("system", "builder_path"), "names the file of a custom builder; give builder = \"module:function\"")
     schema = SCHEMA
     if name != "synthetic":       # the rest first (the builder's own keys aside): user code runs only on a valid spec
         _tables(raw, where, schema, defer=True)
@@ -393,18 +242,18 @@ def _tables(raw: Mapping, where, schema, defer: bool = False):
         if table == "model" and model is None:
             continue
         if table == "system" and model is not None and given:
-            _fail(where("system", next(iter(given))), "does not apply to a model sweep (the model fixes the system)")
+            fail(where("system", next(iter(given))), "does not apply to a model sweep (the model fixes the system)")
         out = {}
         for key, value in given.items():
             if key not in schema[table]:
                 if defer and table == "system":
                     continue
-                _fail(where(table, key), f"unknown key; expected one of {', '.join(schema[table])}")
+                fail(where(table, key), f"unknown key; expected one of {', '.join(schema[table])}")
             out[key] = schema[table][key].check(value, where(table, key))
         for key, k in schema[table].items():
             if key not in out:
                 if k.default is None:
-                    _fail(where(table, key), "is required")
+                    fail(where(table, key), "is required")
                 out[key] = k.default
         tables[table] = out
     grid = _grid(raw.get("grid", {}), tables, model is not None, where, schema, defer)
@@ -418,24 +267,24 @@ def builder_keys(name: str, path: str, where) -> Dict[str, Key]:
     try:
         fn = host_builder(name, path)
     except ValueError as exc:
-        _fail(where("system", "builder_path" if path else "builder"), str(exc).split(": ", 1)[-1])
+        fail(where("system", "builder_path" if path else "builder"), str(exc).split(": ", 1)[-1])
     declared = getattr(fn, "keys", {})
     if not isinstance(declared, Mapping):
-        _fail(where("system", "builder"),
+        fail(where("system", "builder"),
               f"{name}.keys must be a dict {{name: default}}, got {type(declared).__name__}")
     out = {}
     for key, default in declared.items():
         if not isinstance(key, str) or any(key in t for t in SCHEMA.values()):
-            _fail(where("system", "builder"), f"{name} declares the key {key!r}, which the spec already has")
+            fail(where("system", "builder"), f"{name} declares the key {key!r}, which the spec already has")
         if isinstance(default, (list, dict)) or default is None:
-            _fail(where("system", "builder"), f"{name} declares the key {key!r} with the default {show(default)}; "
+            fail(where("system", "builder"), f"{name} declares the key {key!r} with the default {show(default)}; "
                                               f"a builder key is a number, a string or a boolean")
         kind = float if isinstance(default, float) else type(default)
 
         def check(v, w, kind=kind):
-            _scalar(v, w)
+            scalar(v, w)
             if isinstance(v, bool) != (kind is bool) or not isinstance(v, (int, float) if kind is float else kind):
-                _fail(w, f"must be of type {kind.__name__}, got {show(v)}")
+                fail(w, f"must be of type {kind.__name__}, got {show(v)}")
             return kind(v)
         out[key] = Key(default, check)
     return out
@@ -451,25 +300,25 @@ def _grid(raw_grid: Mapping, tables: dict, is_model: bool, where, schema=SCHEMA,
             if defer and key not in owner:
                 continue
             allowed = [k for k, t in owner.items() if schema[t][k].griddable and not (is_model and t == "system")]
-            _fail(where("grid", key), f"unknown grid key; expected some of {', '.join(allowed)}")
+            fail(where("grid", key), f"unknown grid key; expected some of {', '.join(allowed)}")
         table = owner[key]
         k = schema[table][key]
         if not k.griddable:
-            _fail(where("grid", key), f"cannot be a grid key; give it once in [{table}]")
+            fail(where("grid", key), f"cannot be a grid key; give it once in [{table}]")
         if not isinstance(values, list):
-            _fail(where("grid", key), f"must be a list of values, got {show(values)}")
+            fail(where("grid", key), f"must be a list of values, got {show(values)}")
         if not values:
-            _fail(where("grid", key), "has no values: an empty grid")
+            fail(where("grid", key), "has no values: an empty grid")
         if len(values) > MAX_POINTS:
-            _fail(where("grid", key), f"has {len(values):,} values; a grid has at most {MAX_POINTS:,} points")
+            fail(where("grid", key), f"has {len(values):,} values; a grid has at most {MAX_POINTS:,} points")
         if isinstance(k.default, list) and not all(isinstance(v, list) for v in values):
-            _fail(where("grid", key), f"each value must be a range [lo, hi], got {show(values)}")
+            fail(where("grid", key), f"each value must be a range [lo, hi], got {show(values)}")
         grid[key] = [k.check(v, where("grid", key)) for v in values]
         if len({tuple(v) if isinstance(v, list) else (type(v), v) for v in grid[key]}) != len(grid[key]):
-            _fail(where("grid", key), f"repeats a value: {show(values)}")
+            fail(where("grid", key), f"repeats a value: {show(values)}")
         tables[table].pop(key, None)
     if not grid and not defer:
-        _fail(where("grid"), "is empty or missing: an empty grid (give at least one key with a list of values)")
+        fail(where("grid"), "is empty or missing: an empty grid (give at least one key with a list of values)")
     return grid
 
 
@@ -481,42 +330,42 @@ def _check_points(spec: Spec, where) -> None:
     n = spec.n_points
     if n > MAX_POINTS:
         sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items())
-        _fail(where("grid"), f"has {n:,} points ({sizes}); at most {MAX_POINTS:,} are allowed")
+        fail(where("grid"), f"has {n:,} points ({sizes}); at most {MAX_POINTS:,} are allowed")
     groups = math.prod(len(v) for k, v in spec.grid.items() if k in STATIC)
     if groups > MAX_GROUPS:
         sizes = " x ".join(f"{len(v)} {k}" for k, v in spec.grid.items() if k in STATIC)
-        _fail(where("grid"), f"has {groups:,} combinations of the keys that change shapes or code ({sizes}), one "
+        fail(where("grid"), f"has {groups:,} combinations of the keys that change shapes or code ({sizes}), one "
                              f"compilation each; at most {MAX_GROUPS:,} are allowed")
     if spec.n_systems > MAX_SYSTEMS:
         if spec.model is not None:
             key, what = where("model", "prompts"), f"{len(spec.model['prompts']):,} prompts"
         else:
             key, what = where("system", "replicates"), f"{spec.replicates:,} replicates"
-        _fail(key, f"{n:,} point{'s' * (n != 1)} x {what} = {spec.n_systems:,} systems; a sweep has at most "
+        fail(key, f"{n:,} point{'s' * (n != 1)} x {what} = {spec.n_systems:,} systems; a sweep has at most "
                    f"{MAX_SYSTEMS:,} (one row each)")
     values = lambda key: spec.grid.get(key, [spec.value(key)] if key in spec.system or key in spec.run else [])
     at = lambda key: where("grid" if key in spec.grid else ("run" if key in spec.run else "system"), key)
     if spec.model is not None:
         return
     if "full" in values("rule") and spec.system["builder"] == "synthetic":
-        _fail(at("rule"), "\"full\" runs the model's own block, FFN included, and a synthetic system has none; "
+        fail(at("rule"), "\"full\" runs the model's own block, FFN included, and a synthetic system has none; "
                           "use paper, post_ln or pre_ln (or a [model] sweep)")
     for d in values("d"):
         for h in values("heads"):
             if d % h:
-                _fail(where("grid" if "heads" in spec.grid or "d" in spec.grid else "system", "heads"),
+                fail(where("grid" if "heads" in spec.grid or "d" in spec.grid else "system", "heads"),
                       f"heads={h} does not divide d={d}")
         for s in values("spectrum"):
             if s != "random":
                 need = sum(2 if z.imag else 1 for z in parse_spectrum(s))
                 if need > d:
-                    _fail(at("spectrum"), f"{s!r} needs d >= {need} (a complex entry counts twice), got d={d}")
+                    fail(at("spectrum"), f"{s!r} needs d >= {need} (a complex entry counts twice), got d={d}")
     if "bipartite" in values("init") and min(values("tokens")) < 2:
-        _fail(at("tokens"), "a bipartite start needs at least 2 tokens")
+        fail(at("tokens"), "a bipartite start needs at least 2 tokens")
     if "symmetric" in values("kind"):
         for s in values("spectrum"):
             if s != "random" and any(z.imag for z in parse_spectrum(s)):
-                _fail(at("spectrum"), f"{s!r} has a complex pair, but kind = \"symmetric\" "
+                fail(at("spectrum"), f"{s!r} has a complex pair, but kind = \"symmetric\" "
                                       f"needs a real spectrum (use normal or nonnormal)")
     if spec.system["builder"] == "synthetic":        # a custom builder makes its own arrays
         _check_precision(spec, values, at)
@@ -542,10 +391,10 @@ def _check_precision(spec: Spec, values, at) -> None:
             width = cast[:, 1] - cast[:, 0] if cast.shape[1] == 2 else np.zeros(len(vals), dt)
         bad = ~np.isfinite(cast).all(axis=1)
         if bad.any():
-            _fail(at(key), f"{show(vals[int(np.argmax(bad))])} overflows {where}; {advice}")
+            fail(at(key), f"{show(vals[int(np.argmax(bad))])} overflows {where}; {advice}")
         if not np.isfinite(width).all():
             v = vals[int(np.argmax(~np.isfinite(width)))]
-            _fail(at(key), f"the width hi - lo of {show(v)} overflows {where}; {advice}")
+            fail(at(key), f"the width hi - lo of {show(v)} overflows {where}; {advice}")
     for s in values("spectrum"):
         if s == "random":
             continue
@@ -553,14 +402,14 @@ def _check_precision(spec: Spec, values, at) -> None:
             with np.errstate(over="ignore", invalid="ignore"):
                 ok = fits(z.real, z.imag) and np.isfinite(np.hypot(dt(1.0) + dt(z.real), dt(z.imag)))
             if not ok:
-                _fail(at("spectrum"), f"the eigenvalue {z:g} of {show(s)} (or |1 + lambda|) overflows {where}; "
+                fail(at("spectrum"), f"the eigenvalue {z:g} of {show(s)} (or |1 + lambda|) overflows {where}; "
                                       f"{advice}")
     if "nonnormal" in values("kind"):
         _check_nonnormality(values, at, dt, where, advice)
     if "bipartite" in values("init"):
         d, noise = max(values("d")), max(values("noise"))
         if noise > noise_limit(d, dt):
-            _fail(at("noise"), f"{noise:g} overflows {where}: a bipartite start +-v1 + noise G (G a normal draw, "
+            fail(at("noise"), f"{noise:g} overflows {where}: a bipartite start +-v1 + noise G (G a normal draw, "
                                f"|G| <= {NORMAL_MAX[np.dtype(dt)]:.4g}) is normalised by its norm, whose square "
                                f"stays finite for noise <= {noise_limit(d, dt):.4g} at d = {d}; {advice}")
 
@@ -583,7 +432,7 @@ def _check_nonnormality(values, at, dt, where: str, advice: str) -> None:
     s = max(values("nonnormality"))
     if s > limit:
         eigs = f" and eigenvalues up to |Re| + |Im| = {scale:g}" if scale > 1 else ""
-        _fail(at("nonnormality"), f"{s:g} overflows {where}: the nonnormal S = I + s G / sqrt(d) (G a normal draw, "
+        fail(at("nonnormality"), f"{s:g} overflows {where}: the nonnormal S = I + s G / sqrt(d) (G a normal draw, "
                                   f"|G| <= {NORMAL_MAX[np.dtype(dt)]:.4g}) and S D stay finite for s <= {limit:.4g} "
                                   f"at d = {d}{eigs}; {advice}")
 
@@ -592,9 +441,8 @@ def _check_model(spec: Spec, where) -> None:
     """The model exists; ``layers`` becomes the 0-based numbers of the layers it names (which
     loads the model): every unique layer for ``"all"``, a list checked against the model, a
     negative index counted from the last layer (see :func:`~.sources.model_layers`)."""
-    from ..models.load import resolve
     try:
         resolve(spec.model["name"])
     except ValueError as exc:
-        _fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")
+        fail(where("model", "name"), f"unknown model {spec.model['name']!r} ({' '.join(str(exc).split())})")
     spec.model["layers"] = model_layers(spec)

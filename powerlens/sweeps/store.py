@@ -7,11 +7,12 @@ A store has three methods:
   exactly the numbers of an uninterrupted one;
 * ``replace(name, value)``: store a recomputed chunk in place of one that did not match its
   sweep (the engine checks every stored chunk's provenance:
-  :meth:`powerlens.sweeps.engine.Engine.mismatch`), so a stale chunk is recomputed once;
+  :func:`powerlens.sweeps.provenance.mismatch`), so a stale chunk is recomputed once;
 * ``adopt(names)``: count chunks ``names``, written by another process of the same run (a
   ``reproduce --jobs`` worker), as computed rather than resumed when they are read.
 
-``loaded`` and ``computed`` count the chunks resumed (read back and kept) and computed (or adopted). Two kinds:
+:func:`stored` asks a store for a chunk without computing one. ``loaded`` and ``computed``
+count the chunks resumed (read back and kept) and computed (or adopted). Two kinds:
 
 * :class:`MemoryStore`: a dict (``pl.sweep(spec)`` without ``out``);
 * :class:`ChunkFolder`: one JSON file per chunk, written atomically (:func:`powerlens.io.write_json`),
@@ -37,7 +38,7 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Optional
 
 from .. import io
-from .spec import differing_keys
+from .schema import differing_keys
 
 CHUNKS = ".chunks"
 COMMAND = "sweep"
@@ -50,6 +51,22 @@ _ABSENT = object()
 def jsonable(value: Any) -> Any:
     """The value as it reads back from JSON (NaN -> None, arrays -> lists)."""
     return json.loads(json.dumps(io.to_jsonable(value), allow_nan=False))
+
+
+class _Missing(Exception):
+    """Raised by the compute function that only asks a store whether it has a chunk."""
+
+
+def _missing():
+    raise _Missing
+
+
+def stored(store, name: str):
+    """The chunk ``name`` from ``store``, or None (stores expose only ``cached``)."""
+    try:
+        return store.cached(name, _missing)
+    except _Missing:
+        return None
 
 
 def settings_key(settings: dict) -> str:

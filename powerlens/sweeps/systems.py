@@ -19,6 +19,9 @@ from one of three builders:
   builder is user code, imported and run as it is (:func:`host_builder`: from an installed
   module, or from the file ``builder_path`` names, never from the current directory).
 
+:func:`synthetic_builder` is the one compiled builder of synthetic systems on their own
+(rebuilding rows: :meth:`~powerlens.sweeps.engine.Engine.systems_of`, ``pl.sweep_system``).
+
 Eigenvalue groups follow one rule (:func:`powerlens.dynamics.linalg.group_size`, tolerance
 ``GROUP_RTOL``): the principal group is every eigenvalue whose key (|1+lambda| shifted,
 |lambda| plain) is within it of the largest; lambda_2 is the first eigenvalue after it,
@@ -28,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import os
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import jax
@@ -117,10 +118,34 @@ def synthetic_systems(seed, p: Dict[str, Any], st: Static) -> Systems:
     """One synthetic system from its seed "int[]" and dynamic values ``p`` (beta, top, rest,
     imag, pair, nonnormality, cone, noise; ranges "float[2]"): the system and facts of
     :func:`powerlens.dynamics.synthetic.synthetic`, arranged for the measures. Pure: vmap and jit it."""
-    layers, f = build_synthetic(seed, p, st.synthetic)
-    return Systems(layers=layers, x0=f["x0"], valid=jnp.ones(st.tokens, bool), subspaces=synthetic_subspaces(f),
+    return arranged(*build_synthetic(seed, p, st.synthetic), st.tokens)
+
+
+def arranged(layers: Layers, f: Dict[str, Any], tokens: int) -> Systems:
+    """The system and facts of :func:`powerlens.dynamics.synthetic.synthetic` arranged for the
+    measures (one system of ``tokens`` tokens, all valid)."""
+    return Systems(layers=layers, x0=f["x0"], valid=jnp.ones(tokens, bool), subspaces=synthetic_subspaces(f),
                    direction=f["direction"], v1=f["v1"], lam=f["lam"], dim=f["dim"], top2=f["top2"],
                    x0_exact=f["x0_exact"])
+
+
+@functools.lru_cache(maxsize=64)
+def synthetic_builder(cfg: SyntheticConfig) -> Callable:
+    """The one compiled builder of synthetic systems of the static shape ``cfg``, shared by the
+    sweep engine (:meth:`~powerlens.sweeps.engine.Engine.systems_of`) and
+    :func:`powerlens.sweeps.api.sweep_system`: cached by ``cfg``, so a second call with the
+    same shapes runs the program traced by the first.
+
+    ``fn(slots, seeds, values) -> (systems, facts)``: seeds "int32[S]", values ``{key: "float[S ...]"}``
+    (the dynamic keys), slots an explicit spectrum's "float[d 2]" shared by every system
+    (``cfg.spectrum == "eigenvalues"``; None otherwise); :func:`arranged` systems and every
+    fact of :func:`powerlens.dynamics.synthetic.synthetic`, with a leading axis S.
+    Call it inside ``jax.enable_x64(cfg.x64)``."""
+    def one(slots, seed, p):
+        q = p if slots is None else {**p, "eigenvalues": slots}
+        layers, f = build_synthetic(seed, q, cfg)
+        return arranged(layers, f, cfg.tokens), f
+    return jax.jit(jax.vmap(one, in_axes=(None, 0, 0)))
 
 
 def synthetic_subspaces(facts) -> Subspaces:
@@ -254,47 +279,6 @@ def check_model(spec) -> Dict[str, int]:
     cfg = _model(name).layers.config
     return {"d": cfg.d_model, "tokens": int(x0.shape[1]), "heads": cfg.n_heads, "d_head": cfg.d_head,
             "kv_heads": cfg.n_kv_heads}
-
-
-HASH_BLOCK = 1 << 23
-"""Bytes read at a time when a checkpoint file is hashed: memory stays bounded by this."""
-
-
-def _file_identity(path: str, update: Callable[[int], Any] = lambda n: None) -> Dict[str, Any]:
-    """size, mtime_ns and the sha256 of the file's whole content (tensor data included), read
-    in blocks of :data:`HASH_BLOCK` bytes; ``update(n)`` is told of every n bytes read."""
-    st = os.stat(path)
-    digest, buf = hashlib.sha256(), bytearray(HASH_BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb") as fh:
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            digest.update(view[:n])
-            update(n)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
-
-
-def checkpoint_identity(name: str, progress: bool = False) -> Dict[str, Dict[str, Any]]:
-    """What identifies the checkpoint of a [model] sweep, file by file (config, tokenizer and
-    weights; see :func:`_file_identity`): every byte is hashed, so a sweep never resumes across
-    a changed checkpoint at the same path, even one with the same shapes, size and mtime.
-    Hashing reads the whole checkpoint once (about 0.5 GB/s); with ``progress``, a bar on
-    standard error shows it when the files exceed 256 MB."""
-    from tqdm.auto import tqdm
-    from ..models.load import resolve
-    path = resolve(name)
-    if os.path.isfile(path):
-        files = {os.path.basename(path): path}
-    else:
-        files = {entry: os.path.join(path, entry) for entry in sorted(os.listdir(path))
-                 if os.path.isfile(os.path.join(path, entry))
-                 and entry.endswith((".safetensors", ".bin", ".gguf", ".json", ".model", ".txt"))}
-    total = sum(os.path.getsize(f) for f in files.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"hashing {os.path.basename(path)}", leave=False,
-              disable=not progress or total < (256 << 20)) as bar:
-        return {entry: _file_identity(full, bar.update) for entry, full in files.items()}
 
 
 def model_systems(point: Dict[str, Any], seeds, spec) -> Systems:
