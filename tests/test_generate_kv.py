@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 import hf_tiny_decoders as T  # noqa: E402
 import powerlens as pl  # noqa: E402
-from test_generate import MARGIN, hf_greedy, random_prompts  # noqa: E402
+from test_generate import MARGIN, SMOL_PROMPTS, hf_greedy, random_prompts, smol_pair  # noqa: E402,F401  (smol_pair: a fixture)
 
 NEW = 12
 CONFIGS = {
@@ -341,24 +341,9 @@ def test_benchmark_script_tiny(tmp_path):
 
 # ----------------------------------------------------------------------------- SmolLM2
 
-SMOL_PROMPTS = ["The capital of France is", "Power iteration finds the top eigenvector,", "Once upon a time"]
-
-
 @pytest.mark.slow
-def test_smollm2_64_tokens_match_transformers():
-    pytest.importorskip("gguf")
-    import os
-
-    from gguf_reference import gguf_parsed_once_in_memory
-    from powerlens.models import CheckpointError, resolve
-    try:
-        path = resolve("smollm2")
-    except CheckpointError as exc:
-        pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
-    with gguf_parsed_once_in_memory():
-        ref_model = tf.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                            dtype=torch.float32).eval()
-    model = pl.load("smollm2")
+def test_smollm2_64_tokens_match_transformers(smol_pair):
+    model, ref_model = smol_pair
     out = pl.generate(model, SMOL_PROMPTS, max_new_tokens=64)
     ref, margin = hf_greedy(ref_model, out.prompt_ids, new=64)
     assert margin >= MARGIN, margin
