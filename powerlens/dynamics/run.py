@@ -312,11 +312,10 @@ def run_batch(layers: Layers, X0: Real[ArrayLike, "*B n d"],
     X0, valid = check_batch(X0, valid, layers.config.d_model, dtype=layers.dtype)
     if schedule is not None:
         schedule = check_schedule(schedule, layers.n_unique)
-    x_in = np.asarray(X0, layers.dtype)
-    if isinstance(given, jax.Array) and len(given.sharding.device_set) > 1 and given.shape == X0.shape:
-        # prompts placed over devices (pl.shard_prompts: B over a mesh's data axis) stay where
-        # they are, so that the compiled call splits the batch as they are split
-        x_in = given.astype(layers.dtype)
+    # prompts placed over devices (pl.shard_prompts: B over a mesh's data axis) stay where they
+    # are, so that the compiled call splits the batch as they are split; others go as host arrays
+    placed = isinstance(given, jax.Array) and len(given.sharding.device_set) > 1 and given.shape == X0.shape
+    x_in = given.astype(layers.dtype) if placed else np.asarray(X0, layers.dtype)
     # weights held in another dtype than the compute dtype are cast a layer at a time inside the
     # scan: no (in, out) copies of every layer (they would be a second copy of the attention weights)
     same = layers.dtype == layers.storage_dtype
