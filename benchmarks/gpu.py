@@ -13,7 +13,7 @@ lent accelerator machine:
        vmapped optimiser alone (solve_many_jit) and end to end (optimize_steering)
 
 On a GPU, workload A also runs the paper rule's states in bfloat16 twice: with XLA's attention
-and with cuDNN's fused flash attention (``LayerConfig.attention_block="cudnn"``, i.e.
+and with cuDNN's fused flash attention (``Dynamics(attention_block="cudnn")``, i.e.
 ``jax.nn.dot_product_attention(implementation="cudnn")``; cuDNN has no float32 kernel, and
 powerlens computes in float32 otherwise), each cuDNN entry with its largest difference from
 the XLA states. Elsewhere those entries say why they were skipped.
@@ -24,7 +24,6 @@ compile time of that warm-up. torch is not needed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -62,13 +61,10 @@ def tokens(model, B, n, seed=0):
     return pl.embed_ids(model, ids, np.ones((B, n), bool))
 
 
-def in_bfloat16(model, attention_block=None):
-    """``model`` with its layers cast to bfloat16 and ``attention_block`` set ("cudnn": cuDNN's
-    fused attention)."""
+def in_bfloat16(model):
+    """``model`` with its layers cast to bfloat16."""
     cast = lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
-    layers = jax.tree_util.tree_map(cast, model.layers)
-    return model.replace(layers=layers.replace(config=dataclasses.replace(layers.config,
-                                                                          attention_block=attention_block)))
+    return model.replace(layers=jax.tree_util.tree_map(cast, model.layers))
 
 
 def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
@@ -80,8 +76,9 @@ def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
     except ValueError as exc:
         add(workload="A", model=name, size=size, rule="paper", what="states bfloat16 cudnn", skipped=str(exc))
         return
-    xla, fused = in_bfloat16(model), in_bfloat16(model, "cudnn")
-    run = lambda m: pl.run_states(m, x0, valid, rule="paper")
+    bf16 = in_bfloat16(model)
+    xla, fused = pl.Dynamics(rule="paper"), pl.Dynamics(rule="paper", attention_block="cudnn")
+    run = lambda dynamics: pl.run_states(bf16, x0, valid, dynamics=dynamics)
     add(workload="A", model=name, size=size, rule="paper", what="states bfloat16 xla", **timed(lambda: run(xla), repeat))
     try:        # never run on a GPU before: a failure is recorded, and the other timings still written
         diff = jnp.max(jnp.abs((run(fused) - run(xla)).astype(jnp.float32)))

@@ -134,7 +134,7 @@ def tiny_llama(seed: int = 0):
     rng = np.random.default_rng(seed)
     U, d, H, G, e, f, vocab = 2, 32, 4, 2, 8, 64, 64
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-5,
-                      norm_placement="pre", rope_theta=10000.0, ffn_activation="silu_glu", family="llama")
+                      norm_placement="pre", rope_theta=10000.0, ffn_activation="silu_glu")
     r = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
     one = lambda *s: (1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32)
     layers = make_layers(W_v=r(U, G, e, d), W_o=r(U, d, H * e), W_q=r(U, H, e, d), W_k=r(U, G, e, d),

@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
         F = np.asarray(pl.layer_matrices(model.layers), np.float64)[:n_layers]
         spectra = pl.layer_spectra(F)
     cfg = model.layers.config
-    print(f"{args.model}: {cfg.family}, d={cfg.d_model}, {cfg.n_heads} heads "
+    print(f"{args.model}: {model.info.family}, d={cfg.d_model}, {cfg.n_heads} heads "
           f"({cfg.n_kv_heads} kv), {model.layers.n_unique} unique layers; showing {len(spectra)}")
     print(f"{'layer':>5} {'shifted λ1':>22} {'|1+λ1|':>9} {'plain λ1':>22} {'|λ1|':>9} {'|μ2/μ1|':>8} "
           f"{'complex':>7} {'differ':>6}")

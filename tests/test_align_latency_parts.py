@@ -39,7 +39,7 @@ def tiny_encoder(seed: int = 0, kv_heads: int = H) -> Model:
     rng = np.random.default_rng(seed)
     f32 = lambda *shape: (rng.normal(size=shape) / np.sqrt(shape[-1])).astype(np.float32)
     cfg = LayerConfig(d_model=D, n_heads=H, n_kv_heads=kv_heads, d_head=E, causal=False, norm="layernorm",
-                      norm_eps=1e-12, norm_placement="post", ffn_activation="gelu", family="bert")
+                      norm_eps=1e-12, norm_placement="post", ffn_activation="gelu")
     layers = make_layers(W_v=f32(L, kv_heads, E, D), W_o=f32(L, D, H * E), W_q=f32(L, H, E, D),
                          W_k=f32(L, kv_heads, E, D), b_q=f32(L, H, E), b_k=f32(L, kv_heads, E),
                          b_v=f32(L, kv_heads, E), b_o=f32(L, D), norm_scale=1 + f32(L, D), norm_bias=f32(L, D),

@@ -237,7 +237,7 @@ def test_vs_torch_tables():
 
 def test_gpu_script_fused_attention_entries(monkeypatch):
     """benchmarks/gpu.py's GPU-only entries, with cuDNN's call made through XLA and its GPU check
-    passed: the bfloat16 states with and without attention_block='cudnn' are timed and agree; a
+    passed: the bfloat16 states with and without Dynamics(attention_block='cudnn') are timed and agree; a
     failing cuDNN call becomes an entry with its error."""
     import functools
 
@@ -254,7 +254,7 @@ def test_gpu_script_fused_attention_entries(monkeypatch):
     assert [e["what"] for e in entries] == ["states bfloat16 xla", "states bfloat16 cudnn"]
     assert all(e["seconds"] > 0 for e in entries)
     assert entries[1]["max_abs_diff_from_xla"] < 0.05            # bfloat16 unit tokens, two orders of sums
-    assert gpu.in_bfloat16(model, "cudnn").layers.W_q.dtype == gpu.jnp.bfloat16
+    assert gpu.in_bfloat16(model).layers.W_q.dtype == gpu.jnp.bfloat16
     # a failing cuDNN call (another prompt shape, so the program is traced again) is recorded, not raised
 
     def no_kernel(*args, **kwargs):

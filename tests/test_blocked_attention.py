@@ -111,22 +111,22 @@ def test_blocked_is_differentiable_jittable_and_vmappable():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_run_gives_the_same_states_dense_and_blocked(causal):
-    """The whole layer scan, with RoPE, GQA, windows per layer and padded prompts: the
-    ``attention_block`` setting changes how A is computed, not the states."""
+    """The whole layer scan, with RoPE, GQA, windows per layer and padded prompts: the run's
+    ``Dynamics.attention_block`` changes how A is computed, not the states."""
     import powerlens as pl
-    with_block, x0, valid = _windowed_system(causal, e=4, seed=1)
-    dense = np.asarray(pl.run_batch(with_block(0), x0, valid, observe=("states",))["states"])
+    layers, x0, valid = _windowed_system(causal, e=4, seed=1)
+    states = lambda b: np.asarray(pl.run_batch(layers, x0, valid, dynamics=pl.Dynamics(attention_block=b),
+                                               observe=("states",))["states"])
+    dense = states(0)
     keep = valid[:, None].repeat(dense.shape[1], 1)
     for b in (None, 4, 64):
-        blocked = np.asarray(pl.run_batch(with_block(b), x0, valid, observe=("states",))["states"])
-        np.testing.assert_allclose(blocked[keep], dense[keep], atol=2e-5)
+        np.testing.assert_allclose(states(b)[keep], dense[keep], atol=2e-5)
 
 
 def _windowed_system(causal, *, e, seed):
-    """(attention_block -> 3 random layers of 4 query heads over 2 key/value heads of e dims,
-    d = 16, windows 0, 3 and 5, RoPE when causal; x0 "float[2 11 16]", valid, the second
-    prompt padded after 7 tokens)."""
-    import dataclasses
+    """(3 random layers of 4 query heads over 2 key/value heads of e dims, d = 16, windows 0,
+    3 and 5, RoPE when causal; x0 "float[2 11 16]", valid, the second prompt padded after 7
+    tokens)."""
     from powerlens.dynamics.params import LayerConfig, make_layers
     rng = np.random.default_rng(seed)
     U, H, G, d, n = 3, 4, 2, 16, 11
@@ -138,14 +138,14 @@ def _windowed_system(causal, *, e, seed):
     x0 = rng.standard_normal((2, n, d)).astype(np.float32)
     valid = np.ones((2, n), bool)
     valid[1, 7:] = False
-    return lambda b: layers.replace(config=dataclasses.replace(cfg, attention_block=b)), x0, valid
+    return layers, x0, valid
 
 
 def test_attention_block_must_be_a_size():
-    from powerlens.dynamics.params import LayerConfig
+    from powerlens.dynamics.options import Dynamics
     for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="attention_block"):
-            LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block=bad)
+        with pytest.raises(ValueError, match="Dynamics.attention_block"):
+            Dynamics(attention_block=bad)
 
 
 @pytest.mark.parametrize("n", [9, 16])
@@ -166,22 +166,22 @@ def test_fused_call_equals_dense(n, causal, window, groups):
 
 
 def test_run_through_the_fused_call_gives_the_same_states(monkeypatch):
-    """The layer scan with ``attention_block="cudnn"`` (RoPE, grouped heads, a window per layer,
-    a padded prompt), its call made through XLA and its GPU check passed: the states of the
-    default path. On this CPU the setting itself is refused, in one line."""
+    """The layer scan with ``Dynamics(attention_block="cudnn")`` (RoPE, grouped heads, a window
+    per layer, a padded prompt), its call made through XLA and its GPU check passed: the states
+    of the default path. On this CPU the setting itself is refused, in one line."""
     import functools
     import powerlens as pl
     from powerlens.dynamics import attention
-    with_block, x0, valid = _windowed_system(True, e=8, seed=2)
-    fused = with_block("cudnn")
+    layers, x0, valid = _windowed_system(True, e=8, seed=2)
+    fused = pl.Dynamics(attention_block="cudnn")
     if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="attention_block='cudnn' needs an NVIDIA GPU"):
-            pl.run_batch(fused, x0, valid, observe=("states",))
+        with pytest.raises(ValueError, match=r"Dynamics\.attention_block='cudnn' needs an NVIDIA GPU"):
+            pl.run_batch(layers, x0, valid, dynamics=fused, observe=("states",))
     monkeypatch.setattr(attention, "check_fused_attention", lambda lp, dtype: None)
     monkeypatch.setattr(attention, "fused_attention_mix",
                         functools.partial(attention.fused_attention_mix, implementation="xla"))
-    got = np.asarray(pl.run_batch(fused, x0, valid, observe=("states",))["states"])
-    ref = np.asarray(pl.run_batch(with_block(None), x0, valid, observe=("states",))["states"])
+    got = np.asarray(pl.run_batch(layers, x0, valid, dynamics=fused, observe=("states",))["states"])
+    ref = np.asarray(pl.run_batch(layers, x0, valid, observe=("states",))["states"])
     keep = valid[:, None].repeat(ref.shape[1], 1)
     np.testing.assert_allclose(got[keep], ref[keep], atol=2e-5)
 
@@ -191,7 +191,7 @@ def test_fused_attention_names_what_it_lacks():
     soft-capped layer, a head dim it has no kernel for. Any other string is not a setting."""
     import types
     from powerlens.dynamics.attention import check_fused_attention
-    from powerlens.dynamics.params import LayerConfig
+    from powerlens.dynamics.options import Dynamics
     lp = lambda cap=None, e=64: types.SimpleNamespace(config=types.SimpleNamespace(attn_softcap=cap, d_head=e))
     check_fused_attention(lp(), jnp.bfloat16, backend="gpu")                  # applies: nothing raised
     check_fused_attention(lp(), jnp.float16, backend="gpu")
@@ -202,7 +202,7 @@ def test_fused_attention_names_what_it_lacks():
                       ((lp(e=512), jnp.bfloat16, "gpu"), "at most 256.*d_head=512")):
         with pytest.raises(ValueError, match=why):
             check_fused_attention(*args[:2], backend=args[2])
-    assert LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block="cudnn").attention_block == "cudnn"
+    assert Dynamics(attention_block="cudnn").attention_block == "cudnn"
     for bad in ("cuDNN", "xla", "128"):
-        with pytest.raises(ValueError, match="attention_block.*'cudnn'"):
-            LayerConfig(d_model=4, n_heads=1, d_head=4, attention_block=bad)
+        with pytest.raises(ValueError, match=r"Dynamics\.attention_block.*'cudnn'"):
+            Dynamics(attention_block=bad)

@@ -73,7 +73,7 @@ def test_a_zero_pad_row_is_validated_out_and_inert(case, left):
 def test_windows_rope_and_biases_are_where_transformers_puts_them(case):
     model, c = case["model"], case["hf"].config
     cfg, layers = model.config, model.layers
-    assert cfg.family == model.info.family == case["kind"] and cfg.causal and cfg.norm == "rmsnorm"
+    assert model.info.family == case["kind"] and cfg.causal and cfg.norm == "rmsnorm"
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.d_head) == (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
     np.testing.assert_allclose(np.asarray(layers.scale), c.head_dim ** -0.5, rtol=1e-6)
     assert cfg.rope_theta == c.rope_parameters["rope_theta"] == case["cfg"].get("rope_theta", 10000.0)

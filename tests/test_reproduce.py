@@ -228,7 +228,7 @@ def test_section_7_output_claim_on_a_tiny_decoder():
     rng = np.random.default_rng(0)
     V, d, H, e, f, L = 30522, 8, 2, 4, 12, 1
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-6,
-                      norm_placement="pre", ffn_activation="silu_glu", family="llama")
+                      norm_placement="pre", ffn_activation="silu_glu")
     r = lambda *s, sc=0.4: (sc * rng.standard_normal(s)).astype(np.float32)
     layers = make_layers(r(L, H, e, d), r(L, d, H * e), W_q=r(L, H, e, d), W_k=r(L, H, e, d), config=cfg,
                          norm_scale=1 + r(L, d, sc=0.1), ffn_norm_scale=1 + r(L, d, sc=0.1), W_in=r(L, f, d),

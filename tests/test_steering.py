@@ -315,7 +315,7 @@ def tiny_decoder():
          "Wi": rng.standard_normal((f, d)) / 3, "Wg": rng.standard_normal((f, d)) / 3,
          "Wout": rng.standard_normal((d, f)) / 3, "H": H, "eps": eps}
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="rmsnorm", norm_eps=eps,
-                      norm_placement="pre", ffn_activation="silu_glu", family="llama")
+                      norm_placement="pre", ffn_activation="silu_glu")
     f32 = lambda a: np.asarray(a, np.float32)[None]
     layers = make_layers(f32(P["Wv"]), f32(P["Wo"]), W_q=f32(P["Wq"]), W_k=f32(P["Wk"]), config=cfg,
                          norm_scale=f32(P["n1"]), ffn_norm_scale=f32(P["n2"]), W_in=f32(P["Wi"]),

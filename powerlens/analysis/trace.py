@@ -124,14 +124,15 @@ class Trace:
                 f"logits={shape(self.logits)})")
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "keep_bias", "maps", "chunk"))
-def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, keep_bias, maps, chunk):
+@functools.partial(jax.jit, static_argnames=("rule", "keep_bias", "maps", "chunk", "attention_block"))
+def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, keep_bias, maps, chunk,
+                 attention_block=None):
     """The observers of one run per prompt, states and attention maps steps-first."""
     observers = run_observers(subspaces, planes=planes, save_states=True,
                               extras={"attention": attention_maps(layers, rule=rule)} if maps else None)
 
     def one(x, v):
-        return run(layers, x, v, dynamics=Dynamics(rule, "softmax", keep_bias), observers=observers,
+        return run(layers, x, v, dynamics=Dynamics(rule, "softmax", keep_bias, attention_block), observers=observers,
                    projections=projections)
 
     out_axes = {name: int(name in ("states", "attention")) for name in observers}
@@ -185,6 +186,7 @@ def trace(model, prompts: Sequence, *, dynamics: Optional[Dynamics] = None, orde
     proj = prepared_projections(layers, "softmax") if layers.dtype == layers.storage_dtype else None
     out = _trace_batch(layers, X0, valid, subs, proj,
                        rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
+                       attention_block=dyn.attention_block,
                        chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
     all_states = out.pop("states")          # steps-first "float[T+1 B n d]": the Trace's own
     traj = trajectory(out, valid, subs.names)

@@ -16,19 +16,33 @@ All functions are written for one prompt, X "float[n d]", ``valid`` "bool[n]", a
 batched with ``vmap``. Softmax attention has one implementation: q, k and v come from one
 fused projection (:func:`~powerlens.dynamics.projections.qkv_weight`), then the masked softmax,
 scheduled dense, by query blocks or by key blocks, or handed to cuDNN's fused kernel on a GPU
-(``LayerConfig.attention_block``; :func:`softmax_attention_mix`).
+(the run's choice, ``Dynamics.attention_block``; :func:`softmax_attention_mix`).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import execution
 from .blocked import blocked_attention_mix
 from .norms import apply_norm
-from .params import FUSED_ATTENTION as FUSED
 
 ATTENTION_MODES = ("softmax", "uniform", "identity")
+
+FUSED_ATTENTION = "cudnn"
+"""The ``attention_block`` of cuDNN's fused attention (:func:`fused_attention_mix`)."""
+
+
+def check_attention_block(block, where: str = "attention_block"):
+    """``block`` if it is an ``attention_block`` setting (None, an int >= 0 or
+    :data:`FUSED_ATTENTION`: see :func:`softmax_attention_mix`), else a one-line ValueError
+    naming ``where``."""
+    size = isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)) and block >= 0
+    if not (block is None or size or (isinstance(block, str) and block == FUSED_ATTENTION)):
+        raise ValueError(f"{where} must be None (automatic), 0 (dense), a positive block size or "
+                         f"{FUSED_ATTENTION!r}, got {block!r}")
+    return block
 
 
 def check_attention(mode: str) -> str:
@@ -185,7 +199,7 @@ def softmax_qkv(lp, X, positions=None, qkv=None):
 
 
 
-def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
+def softmax_attention_mix(lp, X, valid, positions=None, qkv=None, *, attention_block=None):
     """M "float[n H e]" with M[i, h] = sum_j A_h[i, j] V_g(h) x_j for softmax attention.
 
     ``qkv``: the fused weight of :func:`~powerlens.dynamics.projections.qkv_weight`, precomputed
@@ -194,7 +208,8 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
     the token-major arrays inserts a transpose per operand, and was 17 % slower for one MiniLM
     layer at 8 x 128 tokens; :func:`softmax_qkv`); query blocks keep grouped-query
     keys and values as their G heads, the other schedules repeat them to H), then, by
-    ``config.attention_block``:
+    ``attention_block`` (the run's :attr:`~powerlens.dynamics.options.Dynamics.attention_block`;
+    the numbers are the same to float rounding):
 
       None (default)  one dense block (:func:`dense_softmax_mix`) up to :attr:`~powerlens.dynamics.execution.Tuning.blocked_above`
                       tokens, query blocks of :attr:`~powerlens.dynamics.execution.Tuning.query_block` above (:func:`query_blocked_mix`);
@@ -205,14 +220,15 @@ def softmax_attention_mix(lp, X, valid, positions=None, qkv=None):
                       applies (:func:`check_fused_attention`: an NVIDIA GPU, a float16 or
                       bfloat16 system).
     """
-    return softmax_mix(lp, *softmax_qkv(lp, X, positions, qkv), valid)
+    return softmax_mix(lp, *softmax_qkv(lp, X, positions, qkv), valid, attention_block=attention_block)
 
 
-def softmax_mix(lp, q, k, v, valid):
+def softmax_mix(lp, q, k, v, valid, *, attention_block=None):
     """M "float[n H e]" of :func:`softmax_attention_mix` from head-major q "float[H n e]" and
-    k, v "float[G n e]" already formed (:func:`softmax_qkv`), scheduled as that function says."""
-    n, setting, r = q.shape[1], lp.config.attention_block, lp.config.kv_group
-    if setting == FUSED:                                                # cuDNN's fused kernel
+    k, v "float[G n e]" already formed (:func:`softmax_qkv`), scheduled by ``attention_block``
+    as that function says."""
+    n, setting, r = q.shape[1], attention_block, lp.config.kv_group
+    if setting == FUSED_ATTENTION:                                      # cuDNN's fused kernel
         check_fused_attention(lp, q.dtype)
         return fused_attention_mix(lp, *(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), valid)
     tuning = execution.TUNING
@@ -236,7 +252,7 @@ def check_fused_attention(lp, dtype, backend=None):
     no float32 attention kernel; powerlens loads float32), no attention-logit soft-cap
     (Gemma 2), and head dims that are multiples of 8 up to 256 (cuDNN itself allows 128 before
     Hopper, and says so when it is called)."""
-    where = "LayerConfig.attention_block='cudnn'"
+    where = "Dynamics.attention_block='cudnn'"
     backend = jax.default_backend() if backend is None else backend
     if backend != "gpu":
         raise ValueError(f"{where} needs an NVIDIA GPU (cuDNN); JAX's backend here is {backend!r}: "
@@ -252,7 +268,7 @@ def check_fused_attention(lp, dtype, backend=None):
         raise ValueError(f"{where} needs a head dim that is a multiple of 8 and at most 256, got d_head={e}")
 
 
-def fused_attention_mix(lp, q, k, v, valid, *, implementation: str = FUSED):
+def fused_attention_mix(lp, q, k, v, valid, *, implementation: str = FUSED_ATTENTION):
     """M "float[n H e]" of token-major q "float[n H e]", k, v "float[n G e]" by one
     ``jax.nn.dot_product_attention`` call: cuDNN's fused flash attention on a GPU
     (``implementation="cudnn"``; ``"xla"`` makes the same call through XLA, which is how the

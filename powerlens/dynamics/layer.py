@@ -45,7 +45,8 @@ def default_keep_bias(rule: str) -> bool:
 def attention_output(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *,
                      attention: str = "softmax", keep_bias: bool = False,
                      positions: Int[ArrayLike, "n"] | None = None,
-                     projections: Projections | None = None) -> Float[Array, "n d"]:
+                     projections: Projections | None = None,
+                     attention_block: int | str | None = None) -> Float[Array, "n d"]:
     """attn(X) of one layer: "float[n d]".
 
     Values are formed first (V_g X per key/value head), mixed by A, concatenated over
@@ -53,13 +54,15 @@ def attention_output(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike
     softmax attention q, k and v come from one fused projection. ``projections``: this
     layer's (in, out) copies of W_q, W_k, W_v (fused) and W_o
     (:class:`~powerlens.dynamics.projections.Projections`: a plain X @ W each); without them
-    the layer's own rows are read in place, X @ W^T.
+    the layer's own rows are read in place, X @ W^T. ``attention_block``: how softmax
+    attention is computed (the run's ``Dynamics.attention_block``;
+    :func:`~powerlens.dynamics.attention.softmax_attention_mix`).
     """
     cfg = lp.config
     n = X.shape[0]
     P = Projections() if projections is None else projections
     if attention == "softmax":
-        M = softmax_attention_mix(lp, X, valid, positions, P.qkv)      # (n, H, e)
+        M = softmax_attention_mix(lp, X, valid, positions, P.qkv, attention_block=attention_block)   # (n, H, e)
     else:
         A = attention_weights(lp, X, valid, attention)                 # (n, n), shared by all heads
         V = X @ lp.W_v.reshape(-1, X.shape[-1]).T                      # (n, G e)
@@ -69,8 +72,8 @@ def attention_output(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike
     return head_output(lp, M.reshape(n, -1), keep_bias=keep_bias, out=P.out)
 
 
-def head_output(lp: Layer, M: "float[... He]", *, keep_bias: bool = False,
-                out: "float[He d] | None" = None) -> "float[... d]":
+def head_output(lp: Layer, M: Float[ArrayLike, "*batch He"], *, keep_bias: bool = False,
+                out: Float[ArrayLike, "He d"] | None = None) -> Float[Array, "*batch d"]:
     """The heads' mixed values M (concatenated over heads) projected by W_o: M W_o^T, plus
     c = O b_v + b_o when ``keep_bias``. ``out``: the (in, out) copy W_o^T, when prepared
     (:class:`~powerlens.dynamics.projections.Projections`); else W_o's rows are read in place."""
@@ -99,7 +102,7 @@ def _post(lp, Y, which: str):
     return Y if getattr(lp.norms, f"{which}_scale") is None else norm_of(lp, Y, which)
 
 
-def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
+def ffn(lp: Layer, X: Float[ArrayLike, "*batch d"]) -> Float[Array, "*batch d"]:
     """The block's feed-forward network "float[n d]" -> "float[n d]": W_out act(W_in x + b_in) + b_out
     (gated: act(W_gate x) * (W_in x + b_in)), from the layer's FFN part."""
     act, p = lp.config.ffn_activation, lp.ffn
@@ -127,14 +130,17 @@ def ffn(lp: Layer, X: "float[n d]") -> "float[n d]":
 def layer_step(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *, rule: str = "paper",
                attention: str = "softmax", keep_bias: bool | None = None,
                positions: Int[ArrayLike, "n"] | None = None,
-               projections: Projections | None = None) -> Float[Array, "n d"]:
+               projections: Projections | None = None,
+               attention_block: int | str | None = None) -> Float[Array, "n d"]:
     """Apply one layer under ``rule``: "float[n d]" -> "float[n d]". ``projections``: this
-    layer's (in, out) attention weight copies, when prepared (see :func:`attention_output`)."""
+    layer's (in, out) attention weight copies, when prepared; ``attention_block``: how softmax
+    attention is computed (both: see :func:`attention_output`)."""
     check_rule(rule)
     check_attention(attention)
     if keep_bias is None:
         keep_bias = default_keep_bias(rule)
-    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions, projections=projections)
+    kw = dict(attention=attention, keep_bias=keep_bias, positions=positions, projections=projections,
+              attention_block=attention_block)
     if rule == "paper":
         return l2_normalize(X + attention_output(lp, X, valid, **kw))
     if rule == "post_ln":
@@ -145,12 +151,13 @@ def layer_step(lp: Layer, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"]
     return full_block(lp, X, attention_output(lp, full_attention_input(lp, X), valid, **kw))
 
 
-def full_attention_input(lp: Layer, X: "float[... d]") -> "float[... d]":
+def full_attention_input(lp: Layer, X: Real[ArrayLike, "*batch d"]) -> Real[ArrayLike, "*batch d"]:
     """What rule ``full``'s attention reads: X (post norm) or LN1 X (pre norm)."""
     return X if lp.config.norm_placement == "post" else norm_of(lp, X, "norm")
 
 
-def full_block(lp: Layer, X: "float[... d]", attn: "float[... d]") -> "float[... d]":
+def full_block(lp: Layer, X: Real[ArrayLike, "*batch d"],
+               attn: Float[ArrayLike, "*batch d"]) -> Float[Array, "*batch d"]:
     """Rule ``full``'s block token by token, given its attention output attn = attn(X) (post
     norm) or attn(LN1 X) (pre norm; see :func:`layer_step`): residuals, norms and FFN, any
     leading axes (the steering objectives evaluate it at a prompt's last token only)."""

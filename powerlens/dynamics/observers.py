@@ -293,7 +293,7 @@ def final() -> Observer:
 
 # ------------------------------------------------------------------------ tangents
 
-def _mean_tangent(basis: "float[d k]") -> Callable:
+def _mean_tangent(basis: Float[ArrayLike, "d k"]) -> Callable:
     """tan of the angle between the valid tokens' mean m and span(basis) (orthonormal columns,
     zero-padded): ||m - B B^T m|| / ||B^T m|| (a ||B^T m|| of 0 is read as the smallest normal
     float, so m orthogonal to the span gives a finite, huge tangent)."""
@@ -306,13 +306,13 @@ def _mean_tangent(basis: "float[d k]") -> Callable:
     return tan
 
 
-def mean_tangent(basis: "float[d k]") -> Observer:
+def mean_tangent(basis: Float[ArrayLike, "d k"]) -> Observer:
     """tan of the angle between the valid tokens' mean and span(basis), for every state x_0 .. x_T:
     "float[T+1]" (0 when the mean lies in the span; ``basis`` orthonormal, zero-padded columns)."""
     return per_state(_mean_tangent(basis))
 
 
-def plane_angle(basis: "float[d k]") -> Observer:
+def plane_angle(basis: Float[ArrayLike, "d k"]) -> Observer:
     """Each token's angle atan2(x . b_1, x . b_0) in the plane of the first two columns of
     ``basis``, for every state x_0 .. x_T: "float[T+1 n]" (k >= 2)."""
     return per_state(lambda X, valid: jnp.arctan2(X @ basis[:, 1], X @ basis[:, 0]))
@@ -320,7 +320,7 @@ def plane_angle(basis: "float[d k]") -> Observer:
 
 # ------------------------------------------------------------------------ the measured run
 
-def run_observers(subspaces: Subspaces, *, planes: "bool[U] | None" = None, save_states: bool = False,
+def run_observers(subspaces: Subspaces, *, planes: Bool[ArrayLike, "U"] | None = None, save_states: bool = False,
                   extras: Optional[Dict[str, Observer]] = None) -> Dict[str, Observer]:
     """The observers of one measured run, for :func:`~powerlens.dynamics.run`'s ``observers``:
 
@@ -350,7 +350,7 @@ BUNDLE = ("alignment", "consensus", "finite", "final", "states")
 
 # ------------------------------------------------------------------------ attention weights
 
-def attention_input(lp, X: "float[n d]", rule: str) -> "float[n d]":
+def attention_input(lp, X: Float[ArrayLike, "n d"], rule: str) -> Float[ArrayLike, "n d"]:
     """What the attention of one layer reads under ``rule`` (as
     :func:`~powerlens.dynamics.layer.layer_step` applies it): the layer's first norm of X for
     ``pre_ln`` and for ``full`` on a pre-norm model, X itself otherwise."""

@@ -1,6 +1,7 @@
 """``Dynamics``: how a run steps its tokens, as one frozen, hashable value.
 
-    Dynamics(rule="paper", attention="softmax", keep_bias=None)     the package's one default
+    Dynamics(rule="paper", attention="softmax", keep_bias=None, attention_block=None)
+                          the package's one default
     Dynamics.full()       the model's own blocks, FFN included (``trace``, ``run_states``)
     Dynamics.faithful()   the model's attention-only sub-layer as trained (post_ln or pre_ln)
 
@@ -14,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from .attention import ATTENTION_MODES
+from .attention import ATTENTION_MODES, check_attention_block
 from .layer import RULES, faithful_rule
 
 RULE_CHOICES = RULES + ("faithful",)
@@ -40,6 +41,18 @@ class Dynamics:
       keep_bias: add the constant c = O b_v + b_o to attn(X). None (default): the rule's
         own choice, dropped by ``paper`` (so that at consensus a step is a power step) and
         kept by every other rule (:attr:`keeps_bias`).
+      attention_block: how softmax attention is computed, an execution choice (the states are
+        the same to float rounding): ``None`` (default) dense for prompts of at most
+        :attr:`~powerlens.dynamics.execution.Tuning.blocked_above` tokens and by query blocks of
+        :attr:`~powerlens.dynamics.execution.Tuning.query_block` above ("float[H 128 n]" at a
+        time; a causal block reads only the keys up to its last query); ``0`` always dense (the
+        whole "float[H n n]" score tensor); ``k > 0`` always by blocks of k keys (online
+        softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`); ``"cudnn"``
+        cuDNN's fused flash attention through ``jax.nn.dot_product_attention``, for float16 or
+        bfloat16 systems on an NVIDIA GPU
+        (:func:`~powerlens.dynamics.attention.check_fused_attention` says what else it needs).
+        Computations that take no Dynamics (generation's KV cache, the steering objectives)
+        use the default.
 
     One default for the whole package, ``Dynamics()`` (the paper's system). ``trace`` and
     ``run_states`` run a model's own forward pass, so their default is :meth:`full`.
@@ -50,6 +63,7 @@ class Dynamics:
     rule: str = "paper"
     attention: str = "softmax"
     keep_bias: Optional[bool] = None
+    attention_block: Optional[Union[int, str]] = None
 
     def __post_init__(self):
         if not isinstance(self.rule, str) or self.rule not in RULE_CHOICES:
@@ -62,23 +76,29 @@ class Dynamics:
             raise ValueError(f"Dynamics.keep_bias: must be True, False or None (the rule's default), got {kb!r}")
         if kb is not None:
             object.__setattr__(self, "keep_bias", bool(kb))
+        block = check_attention_block(self.attention_block, "Dynamics.attention_block")
+        if block is not None and not isinstance(block, str):
+            object.__setattr__(self, "attention_block", int(block))     # a NumPy int too: one hash
 
     @classmethod
-    def paper(cls, attention: str = "softmax", keep_bias: Optional[bool] = None) -> "Dynamics":
+    def paper(cls, attention: str = "softmax", keep_bias: Optional[bool] = None, *,
+              attention_block: Optional[Union[int, str]] = None) -> "Dynamics":
         """The paper's system X <- N2(X + attn X), c dropped: the package default."""
-        return cls("paper", attention, keep_bias)
+        return cls("paper", attention, keep_bias, attention_block)
 
     @classmethod
-    def full(cls, attention: str = "softmax", keep_bias: Optional[bool] = None) -> "Dynamics":
+    def full(cls, attention: str = "softmax", keep_bias: Optional[bool] = None, *,
+             attention_block: Optional[Union[int, str]] = None) -> "Dynamics":
         """The model's own blocks, FFN and c included: its forward pass (the default of
         ``trace`` and ``run_states``)."""
-        return cls("full", attention, keep_bias)
+        return cls("full", attention, keep_bias, attention_block)
 
     @classmethod
-    def faithful(cls, attention: str = "softmax", keep_bias: Optional[bool] = None) -> "Dynamics":
+    def faithful(cls, attention: str = "softmax", keep_bias: Optional[bool] = None, *,
+                 attention_block: Optional[Union[int, str]] = None) -> "Dynamics":
         """The model's attention sub-layer as trained, FFN dropped: ``post_ln`` or ``pre_ln``
         by its norm placement (:meth:`resolved`)."""
-        return cls("faithful", attention, keep_bias)
+        return cls("faithful", attention, keep_bias, attention_block)
 
     @property
     def keeps_bias(self) -> bool:
@@ -117,7 +137,8 @@ def as_dynamics(dynamics: Optional[Dynamics], rule: Optional[str] = None, attent
     if not loose:
         return default
     value = Dynamics(rule=loose.get("rule", default.rule), attention=loose.get("attention", default.attention),
-                     keep_bias=loose.get("keep_bias", None if "rule" in loose else default.keep_bias))
+                     keep_bias=loose.get("keep_bias", None if "rule" in loose else default.keep_bias),
+                     attention_block=default.attention_block)
     names = " and ".join(", ".join(f"{k}=" for k in loose).rsplit(", ", 1))
     warnings.warn(f"{where}: {names} {'is' if len(loose) == 1 else 'are'} deprecated; pass dynamics={value!r}",
                   DeprecationWarning, stacklevel=stacklevel)

@@ -35,7 +35,7 @@ ever upcast. ``config.precision`` is the matmul precision of every step
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +63,13 @@ def wide(a):
     return a if a.dtype == dt else (a.astype(dt) if isinstance(a, (np.ndarray, jax.Array)) else jnp.asarray(a, dt))
 
 
-FUSED_ATTENTION = "cudnn"
-"""The ``LayerConfig.attention_block`` of cuDNN's fused attention
-(:func:`~powerlens.dynamics.attention.fused_attention_mix`)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """Static (hashable) facts about a stack of attention layers.
+    """Static (hashable) facts about a stack of attention layers: the maths only.
+
+    How a run computes them (dense, blocked or fused attention) is the run's choice,
+    :attr:`powerlens.Dynamics.attention_block`; the model's family is
+    :attr:`powerlens.models.base.ModelInfo.family`.
 
     Attributes:
       d_model, n_heads, n_kv_heads, d_head: sizes.
@@ -85,22 +84,11 @@ class LayerConfig:
       ffn_activation: activation of the FFN for rule ``full`` (``None`` if absent).
       schedule: the unique-layer index of each step, a :class:`Schedule` (any sequence of
         ints is converted; ``None`` = one step per unique layer).
-      family: free-form family name, for reports.
       attn_softcap: attention-logit soft-capping (Gemma 2): each score s = scale q.k becomes
         cap * tanh(s / cap) before the mask and the softmax; ``None`` = off.
       parallel_residual: the ``full`` block of a ``pre`` model is parallel (GPT-NeoX with
         ``use_parallel_residual``, Phi): X + attn(LN1 X) + FFN(LN2 X), LN2 the ``ffn_norm``
         (absent: the one shared ``norm``, as in Phi).
-      attention_block: how softmax attention is computed (the numbers are the same to float
-        rounding): ``None`` (default) dense for prompts of at most
-        :attr:`~powerlens.dynamics.execution.Tuning.blocked_above` tokens and by query blocks of
-        :attr:`~powerlens.dynamics.execution.Tuning.query_block` above ("float[H 128 n]" at a time;
-        a causal block reads only the keys up to its last query); ``0`` always dense (the
-        whole "float[H n n]" score tensor); ``k > 0`` always by blocks of k keys (online
-        softmax, "float[H n k]" at a time: :mod:`powerlens.dynamics.blocked`); ``"cudnn"``
-        cuDNN's fused flash attention through ``jax.nn.dot_product_attention``, for float16 or
-        bfloat16 systems on an NVIDIA GPU
-        (:func:`~powerlens.dynamics.attention.check_fused_attention` says what else it needs).
       compute_dtype: the dtype a step computes in (``"float32"``, ...), each layer's weights
         cast to it inside the scan step; ``None`` = the weights' own dtype.
       precision: matmul precision of a step (:data:`PRECISIONS`; default ``"highest"``).
@@ -118,10 +106,8 @@ class LayerConfig:
     rope_dim: Optional[int] = None
     ffn_activation: Optional[str] = None
     schedule: Optional[Schedule] = None
-    family: str = "synthetic"
     attn_softcap: Optional[float] = None
     parallel_residual: bool = False
-    attention_block: Optional[Union[int, str]] = None
     compute_dtype: Optional[str] = None
     precision: str = "highest"
 
@@ -169,11 +155,6 @@ class LayerConfig:
                 raise ValueError(f"LayerConfig.compute_dtype must be a float dtype name (float32, float64, "
                                  f"bfloat16, float16) or None, got {self.compute_dtype!r}")
             object.__setattr__(self, "compute_dtype", name)
-        block = self.attention_block
-        size = isinstance(block, (int, np.integer)) and not isinstance(block, (bool, np.bool_)) and block >= 0
-        if not (block is None or size or (isinstance(block, str) and block == FUSED_ATTENTION)):
-            raise ValueError(f"LayerConfig.attention_block must be None (automatic), 0 (dense), a positive "
-                             f"block size or {FUSED_ATTENTION!r}, got {self.attention_block!r}")
 
     @property
     def kv_group(self) -> int:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from .attention import qkv_rows
 from .cache import per_arrays
+from jaxtyping import Array, ArrayLike, Float
 
 
 class Projections(NamedTuple):
@@ -55,12 +56,12 @@ class Projections(NamedTuple):
         return jax.tree_util.tree_map(lambda a: a[u], self)
 
 
-def columns(W: "float[... out in]") -> "float[... in out]":
+def columns(W: Float[ArrayLike, "*batch d_out d_in"]) -> Float[Array, "*batch d_in d_out"]:
     """W with its last two axes swapped: the (in, out) layout of a plain X @ W."""
     return jnp.swapaxes(W, -1, -2)
 
 
-def qkv_weight(layers) -> "float[U d (H+2G)e]":
+def qkv_weight(layers) -> Float[Array, "*U d qkv"]:
     """W_q, W_k, W_v stacked and transposed for one fused projection X @ qkv:
     "float[d (H+2G)e]" for one layer, or "float[U d (H+2G)e]" for stacked layers."""
     return columns(qkv_rows(layers.W_q, layers.W_k, layers.W_v))

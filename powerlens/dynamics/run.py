@@ -47,7 +47,7 @@ from .observers import READY, Observer, Step, states
 from .options import Dynamics, as_dynamics
 from .params import Layers, cast_layer, real_array
 from .projections import Projections, build_projections, prepared_projections
-from jaxtyping import ArrayLike, Bool, Int, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 
 
 def run(layers: Layers, x0: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"] | Int[ArrayLike, "n"] | None, *,
@@ -65,9 +65,10 @@ def run(layers: Layers, x0: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"] 
         every measure); ``None`` = all valid.
       observers: name -> :class:`~powerlens.dynamics.observers.Observer`, e.g.
         ``{"final": final(), "gamma": alignment(subspaces)}``.
-      dynamics: the rule, attention mode and bias of every step, a
-        :class:`~powerlens.dynamics.options.Dynamics` (default ``Dynamics()``: the paper's
-        rule, softmax attention; ``faithful`` is resolved against ``layers.config``).
+      dynamics: the rule, attention mode and bias of every step, and how softmax attention is
+        computed (``attention_block``), a :class:`~powerlens.dynamics.options.Dynamics`
+        (default ``Dynamics()``: the paper's rule, softmax attention; ``faithful`` is resolved
+        against ``layers.config``).
       rule, attention, keep_bias: deprecated, ``dynamics``' fields as loose keywords.
       positions: token positions "int[n]" for RoPE (default 0 .. n-1).
       schedule: the unique layer of each step "int[T]" (default ``layers.schedule``).
@@ -97,12 +98,12 @@ def run(layers: Layers, x0: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"] 
     dyn = as_dynamics(dynamics, rule, attention, keep_bias, where="run").resolved(layers.config)
     with jax.default_matmul_precision(layers.config.precision):
         return _run(layers, x0, valid, rule=dyn.rule, attention=dyn.attention, observers=observers,
-                    keep_bias=dyn.keep_bias,
+                    keep_bias=dyn.keep_bias, attention_block=dyn.attention_block,
                     positions=positions, schedule=schedule, projections=projections, measure_after=measure_after)
 
 
 def _run(layers, x0, valid, *, rule, attention, observers, keep_bias, positions, schedule, projections,
-         measure_after):
+         measure_after, attention_block=None):
     """:func:`run`'s body, traced under the layers' matmul precision."""
     x0, valid, schedule = _checked(layers, x0, valid, schedule)
     dtype = layers.dtype
@@ -141,7 +142,7 @@ def _run(layers, x0, valid, *, rule, attention, observers, keep_bias, positions,
         lp = lp0 if shared else cast((held if carried else layers).layer(u))   # this layer alone, computed in dtype
         proj = proj0 if shared else (None if projections is None else projections.layer(u))
         Y = inert(layer_step(lp, X, valid, rule=rule, attention=attention, keep_bias=keep_bias,
-                             positions=positions, projections=proj))
+                             positions=positions, projections=proj, attention_block=attention_block))
         info = Step(t=t, layer=u, valid=valid)
         new, outs = {}, {}
         for name, ob in observers.items():
@@ -161,7 +162,8 @@ def _run(layers, x0, valid, *, rule, attention, observers, keep_bias, positions,
     return {name: ob.of_states(out["states"], valid, layers, layer_of_step) for name, ob in measured.items()}
 
 
-def inert_padding(X: "float[... n d]", valid: "bool[... n]") -> "float[... n d]":
+def inert_padding(X: Float[ArrayLike, "*batch n d"],
+                  valid: Bool[ArrayLike, "*batch n"] | Int[ArrayLike, "*batch n"]) -> Float[Array, "*batch n d"]:
     """X with each padding token replaced by the unit row e_0: finite and non-zero, so that a
     norm of it stays finite (attention gives it no weight, and NaN times zero weight is NaN)."""
     return jnp.where(valid[..., None], X, jnp.zeros(X.shape[-1], X.dtype).at[0].set(1))
@@ -194,7 +196,8 @@ def _checked(layers: Layers, x0, valid, schedule):
     return x0, valid, schedule
 
 
-def measure_after_pays(layers: Layers, X0: "float[B n d]", schedule: "int[T] | None" = None) -> bool:
+def measure_after_pays(layers: Layers, X0: Real[ArrayLike, "B n d"],
+                       schedule: Int[ArrayLike, "T"] | None = None) -> bool:
     """Whether ``measure_after`` pays for the prompts X0 run through ``layers`` (over
     ``schedule``, default the layers' own): all their states, (T+1) B n d numbers of the
     layers' dtype, fit in :attr:`~powerlens.dynamics.execution.Tuning.measure_after_bytes`."""
@@ -227,8 +230,8 @@ def prompt_chunk(batch: int, tokens: int, platform: Optional[str] = None) -> Opt
     return chunk if batch > chunk else None
 
 
-def map_prompts(one: Callable, X0: "float[B n d]", valid: "bool[B n]", chunk: Optional[int] = None, *,
-                out_axes: Any = 0):
+def map_prompts(one: Callable, X0: Float[ArrayLike, "B n d"], valid: Bool[ArrayLike, "B n"],
+                chunk: Optional[int] = None, *, out_axes: Any = 0):
     """``one(x, valid)`` (one prompt -> a pytree) over the prompts: one ``vmap``, or steps of
     ``chunk`` prompts (:func:`prompt_chunk`), each one ``vmap``: ``lax.map`` when every output
     is prompt-first, else a ``lax.scan`` that writes each step's outputs in place into the
@@ -269,11 +272,11 @@ def map_prompts(one: Callable, X0: "float[B n d]", valid: "bool[B n]", chunk: Op
     return bufs
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "observe", "steps_first",
-                                             "measure_after", "chunk"))
+@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "attention_block", "observe",
+                                             "steps_first", "measure_after", "chunk"))
 def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule, attention, keep_bias, observe,
-               steps_first=False, measure_after=False, chunk=None):
-    one = lambda x, v: run(layers, x, v, dynamics=Dynamics(rule, attention, keep_bias),
+               steps_first=False, measure_after=False, chunk=None, attention_block=None):
+    one = lambda x, v: run(layers, x, v, dynamics=Dynamics(rule, attention, keep_bias, attention_block),
                            positions=positions, schedule=schedule, projections=projections, measure_after=measure_after,
                            observers={name: READY[name]() for name in observe})
     # the scan stacks each prompt's states step-major: with the prompt axis put second,
@@ -325,6 +328,6 @@ def run_batch(layers: Layers, X0: Real[ArrayLike, "*B n d"],
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
     return _run_batch(layers, x_in, valid, positions, schedule,
                       prepared_projections(layers, dyn.attention) if same else None, rule=dyn.rule,
-                      attention=dyn.attention, keep_bias=dyn.keep_bias,
+                      attention=dyn.attention, keep_bias=dyn.keep_bias, attention_block=dyn.attention_block,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after,
                       chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))

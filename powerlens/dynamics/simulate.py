@@ -97,7 +97,8 @@ def simulate(layers, x0: Real[ArrayLike, "n d"], subspaces: Subspaces, *,
     return trajectory(out, valid, subspaces.names)
 
 
-def trajectory(out: dict, valid: "bool[... n]", references: Tuple[str, ...]) -> Trajectory:
+def trajectory(out: dict, valid: Bool[ArrayLike, "*batch n"] | Int[ArrayLike, "*batch n"],
+               references: Tuple[str, ...]) -> Trajectory:
     """The :class:`Trajectory` of the results ``out`` of
     :func:`~powerlens.dynamics.observers.run_observers` (one prompt, or a batch with a leading
     axis on every result and on ``valid``); ``states`` when ``out`` has them, else None."""
@@ -113,14 +114,14 @@ simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
 def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, chunk=None,
-                    *, rule, attention, keep_bias, **kw):
-    dyn = Dynamics(rule, attention, keep_bias)
+                    *, rule, attention, keep_bias, attention_block=None, **kw):
+    dyn = Dynamics(rule, attention, keep_bias, attention_block)
     f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule,
                               projections=projections, planes=planes, dynamics=dyn, **kw)
     return map_prompts(f, X0, valid, chunk)
 
 
-simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC[1:] + ("chunk",))
+simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC[1:] + ("attention_block", "chunk"))
 
 
 def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, *,
@@ -154,7 +155,8 @@ def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, 
     proj = prepared_projections(layers, dyn.attention) if layers.dtype == layers.storage_dtype else None
     traj = simulate_batch_jit(layers, X0, subspaces, valid, positions,
                               schedule, proj, rotation_planes(subspaces, layers),
-                              rule=dyn.rule, attention=dyn.attention, keep_bias=dyn.keep_bias, save_states=save_states,
+                              rule=dyn.rule, attention=dyn.attention, keep_bias=dyn.keep_bias,
+                              attention_block=dyn.attention_block, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule),
                               chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))
     if check_finite:
@@ -162,7 +164,8 @@ def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, 
     return traj
 
 
-def check_trajectory(traj: Trajectory, X0: "float[B n d]", valid: "bool[B n]", *, rule: str) -> None:
+def check_trajectory(traj: Trajectory, X0: Real[ArrayLike, "B n d"], valid: Bool[ArrayLike, "B n"], *,
+                     rule: str) -> None:
     """A one-line ValueError naming the first prompt and step whose state is not finite (or has
     a valid token collapsed to 0) in a batch Trajectory (``finite`` "bool[B T+1]"), or nothing.
     Step t counts from 1 (the state after step t; X0 is state 0)."""

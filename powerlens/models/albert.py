@@ -122,7 +122,7 @@ def convert_albert(config: dict, reader: TensorReader, dtype, name: str = "") ->
         {"project_W": (d, E), "project_b": (d,)}, dtype))
     schedule = albert_schedule(L, G, I)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
-                      norm_placement="post", ffn_activation=act, schedule=schedule, family="albert")
+                      norm_placement="post", ffn_activation=act, schedule=schedule)
     indices = [dict(g=g, j=j) for g in range(G) for j in range(I)]
     layers = read_layers(reader, ALBERT_NAMES, indices, cfg, f, dtype)
     info = ModelInfo(family="albert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),

@@ -174,7 +174,7 @@ def convert_bert(config: dict, reader: TensorReader, dtype, name: str = "") -> M
     emb = read_tensors(reader, EMBEDDING_NAMES, {"word": (V, d), "position": (P, d), "token_type": (T, d),
                                                  "norm_scale": (d,), "norm_bias": (d,)}, dtype)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
-                      norm_placement="post", ffn_activation=act, family=family)
+                      norm_placement="post", ffn_activation=act)
     layers = read_layers(reader, BERT_NAMES, [dict(i=i) for i in range(L)], cfg, f, dtype)
     info = ModelInfo(family=family, source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=pad, bos_token_id=config.get("bos_token_id"),
@@ -202,7 +202,7 @@ def convert_distilbert(config: dict, reader: TensorReader, dtype, name: str = ""
     emb = read_tensors(reader, names, {"word": (V, d), "position": (P, d), "norm_scale": (d,), "norm_bias": (d,)},
                        dtype)
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=False, norm="layernorm", norm_eps=eps,
-                      norm_placement="post", ffn_activation=act, family="distilbert")
+                      norm_placement="post", ffn_activation=act)
     layers = read_layers(reader, DISTILBERT_NAMES, [dict(i=i) for i in range(L)], cfg, f, dtype)
     info = ModelInfo(family="distilbert", source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                      max_positions=P, pad_token_id=config.get("pad_token_id", 0), name=name)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..dynamics.norms import layer_norm
+from jaxtyping import Array, ArrayLike, Float, Int
 from .base import Model
 from .reader import CheckpointError, one_line
 from .folder_tokenizer import FolderTokenizer, folder_tokenizer, tokenizer_json_error  # noqa: F401  (re-exported)
@@ -121,8 +122,9 @@ def embed_ids(model: Model, ids, valid=None):
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype"))
-def embed_arrays(E: dict, ids: "int[B n]", pos: "int[B n] | None", scale: "float[] | None", *, eps: float,
-                  dtype: Optional[str] = None):
+def embed_arrays(E: dict, ids: Int[ArrayLike, "B n"], pos: Int[ArrayLike, "B n"] | None,
+                 scale: Float[ArrayLike, ""] | None, *, eps: float,
+                 dtype: Optional[str] = None) -> Float[Array, "B n d"]:
     """x0 "float[B n d]": word (times ``scale``) + position + token type embeddings, then the
     embedding LayerNorm and projection where the model has them; one compiled program. The
     word rows are taken in the model's compute ``dtype`` (bf16 weights: only the B n rows upcast;

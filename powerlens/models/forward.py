@@ -140,7 +140,7 @@ def logits(model: Model, h: Union[Real[ArrayLike, "*batch d"], HiddenStates]) ->
     return _head(h, W, model.lm_head_bias, cap=cap)
 
 
-def _head_in_blocks(h: "float[... d]", W: "[V d]", k: int) -> "float[... V]":
+def _head_in_blocks(h: Float[ArrayLike, "*batch d"], W: Float[ArrayLike, "V d"], k: int) -> Float[Array, "*batch V"]:
     """h W^T for a head W stored in another dtype than h (bf16 weights, float32 states): the
     rows cast to h's dtype in k strided blocks (block b: rows b, b + k, b + 2k, ...), one block
     per step of a scan, each behind an optimization barrier, so that XLA holds one block in h's

@@ -44,7 +44,7 @@ import numpy as np
 from ..dynamics.projections import prepared_projections
 from ..dynamics.run import platform_of, prompt_chunk
 from .base import Model
-from jaxtyping import ArrayLike, Real
+from jaxtyping import Array, ArrayLike, Float, Int, Real
 from .embed import embed_arrays, embed_ids, prompt_ids, tokenizer
 from .forward import logits
 from .kv_cache import UNROLL_MIN_TOKENS, decode, decode_layers, prefill
@@ -229,7 +229,7 @@ def _addition(model: Model, add, layer):
     return jnp.asarray(v, layers.dtype), jnp.int32(steps[-1])
 
 
-def _pick(lg: "float[B V]", k, sampling: dict, top_k: Optional[int]) -> "int[B]":
+def _pick(lg: Float[ArrayLike, "B V"], k, sampling: dict, top_k: Optional[int]) -> Int[Array, "B"]:
     """The next token of each row: the argmax of the logits, or a draw (module docstring)."""
     if sampling["key"] is None:
         return jnp.argmax(lg, axis=-1).astype(jnp.int32)

@@ -114,7 +114,7 @@ def pre_ln_decoder(family, config, reader, st, *, d, H, e, eps, act, V, P, scale
     """The part GPT-2 and GPT-Neo share: a causal pre-LN stack with word + position
     embeddings (wte, wpe), a final LayerNorm (ln_f) and a tied or separate LM head."""
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="layernorm", norm_eps=eps,
-                      norm_placement="pre", ffn_activation=act, family=family)
+                      norm_placement="pre", ffn_activation=act)
     a = st.finish()     # attention with biases, LN1/LN2 with biases, FFN (absent from an attention-only load)
     layers = make_layers(attn=Attention.take(a, scale=scale, window=np.asarray(window, np.int32)),
                          norms=Norms.take(a), ffn=FFN.take(a), config=cfg, **a)

@@ -98,7 +98,7 @@ def partial_rotary(config: Mapping, source: str, e: int, *, default_factor: floa
     return theta, (None if r == e else r)
 
 
-def decoder_model(st: Stack, *, family: str, d: int, H: int, e: int, G: Optional[int] = None, norm: str, eps: float,
+def decoder_model(st: Stack, *, d: int, H: int, e: int, G: Optional[int] = None, norm: str, eps: float,
                   theta: float, rope_dim: Optional[int], act: str, info: ModelInfo, embeddings,
                   final_scale=None, final_bias=None, head=None, head_bias=None, placement: str = "pre",
                   parallel: bool = False, window=0) -> Model:
@@ -106,7 +106,7 @@ def decoder_model(st: Stack, *, family: str, d: int, H: int, e: int, G: Optional
     softmax scale 1/√e, RoPE (θ, ``rope_dim``) unless ``theta`` is None, per-layer ``window``."""
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G or H, d_head=e, causal=True, norm=norm, norm_eps=eps,
                       norm_placement=placement, rope_theta=theta, rope_dim=rope_dim, ffn_activation=act,
-                      family=family, parallel_residual=parallel)
+                      parallel_residual=parallel)
     a = st.finish()     # the family's attention (biases, q/k norms), norms (Phi: LN1 only) and FFN
     layers = make_layers(attn=Attention.take(a, scale=e ** -0.5, window=np.asarray(window, np.int32)),
                          norms=Norms.take(a), ffn=FFN.take(a), config=cfg, **a)
@@ -169,6 +169,6 @@ def convert_gpt_neox(config: dict, reader, dtype, name: str) -> Model:
     info = llama_info(source=reader.folder, tokenizer=tokenizer_folder(reader.folder),
                       max_positions=require(config, "max_position_embeddings", src, default=None),
                       pad=config.get("pad_token_id"), bos=config.get("bos_token_id"), name=name, family="gpt_neox")
-    return decoder_model(st, family="gpt_neox", d=d, H=H, e=e, norm="layernorm", eps=eps, theta=theta,
+    return decoder_model(st, d=d, H=H, e=e, norm="layernorm", eps=eps, theta=theta,
                          rope_dim=rope_dim, act=act, info=info, embeddings={"word": tensors["word"]},
                          final_scale=tensors["scale"], final_bias=tensors["bias"], head=head, parallel=parallel)

@@ -45,6 +45,7 @@ from ..dynamics.params import cast_layer
 from ..dynamics.projections import Projections
 from ..dynamics.run import inert_padding
 from .base import Model
+from jaxtyping import ArrayLike, Bool, Float, Int
 
 
 class KVCache(NamedTuple):
@@ -87,7 +88,8 @@ def _added(Y, t, add, add_step):
     return Y if add is None else Y + jnp.where(t == add_step, add, jnp.zeros_like(add)).astype(Y.dtype)
 
 
-def prefill_one(model: Model, x0: "float[n d]", valid: "bool[n]", projections, add=None, add_step=None):
+def prefill_one(model: Model, x0: Float[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], projections, add=None,
+                add_step=None):
     """One right-padded prompt through rule ``full``: (its last valid token's state "float[d]",
     keys "float[T G n e]", values "float[T G n e]"). Each step is
     :func:`~powerlens.dynamics.layer.layer_step`'s rule ``full`` with the model's own softmax
@@ -110,8 +112,8 @@ def prefill_one(model: Model, x0: "float[n d]", valid: "bool[n]", projections, a
     return Y[last], k, v
 
 
-def prefill(model: Model, x0: "float[B n d]", valid: "bool[B n]", projections, *, size: int, chunk=None,
-            add=None, add_step=None):
+def prefill(model: Model, x0: Float[ArrayLike, "B n d"], valid: Bool[ArrayLike, "B n"], projections, *, size: int,
+            chunk=None, add=None, add_step=None):
     """:func:`prefill_one` over the prompts (chunked on a CPU, :func:`~powerlens.dynamics.run.map_prompts`):
     (h "float[B d]" at each prompt's last valid token, a :class:`KVCache` of ``size`` >= n indices,
     the prompts' keys and values at 0 .. n-1, zeros after)."""
@@ -122,7 +124,8 @@ def prefill(model: Model, x0: "float[B n d]", valid: "bool[B n]", projections, *
     return h, KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
 
 
-def _decode_layer(lp, proj, x: "float[d]", pos: "int[]", ck: "float[G N e]", cv: "float[G N e]"):
+def _decode_layer(lp, proj, x: Float[ArrayLike, "d"], pos: Int[ArrayLike, ""], ck: Float[ArrayLike, "G N e"],
+                  cv: Float[ArrayLike, "G N e"]):
     """One step for one token x at position ``pos``: (its output "float[d]", its key and value
     "float[G e]"), attending over the cache's keys 0 .. pos (the new one written at pos) within
     the layer's window."""
@@ -184,8 +187,8 @@ def _split_layers(layers, projections):
     return tuple(out)
 
 
-def decode(model: Model, x: "float[B d]", positions: "int[B]", cache: KVCache, projections, *, add=None,
-           add_step=None, unrolled=None):
+def decode(model: Model, x: Float[ArrayLike, "B d"], positions: Int[ArrayLike, "B"], cache: KVCache, projections, *,
+           add=None, add_step=None, unrolled=None):
     """One new token per row, x "float[B d]" (embedded) at ``positions`` "int[B]": (its final
     state "float[B d]", the cache with each row's keys and values written at its position).
     The cache is read by the steps, then written once, in place. ``unrolled``: the layers of

@@ -92,7 +92,7 @@ def llama_model(stack: Stack, *, d, H, G, e, eps, theta, act, embeddings, final_
     """
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=eps,
                       norm_placement="pre", rope_theta=float(theta), rope_dim=None, ffn_activation=act,
-                      family=info.family, attn_softcap=attn_softcap)
+                      attn_softcap=attn_softcap)
     a = stack.finish()  # attention (biases, q/k norms, per-layer RoPE bases), RMS norms (sandwich), gated FFN
     bases = None if rope_base is None else np.asarray(rope_base, np.promote_types(stack.dtype_of("W_v"), np.float32))
     attn = Attention.take(a, scale=e ** -0.5 if scale is None else scale, window=np.asarray(window, np.int32),

@@ -121,6 +121,6 @@ def convert_opt(config: dict, reader, dtype, name: str) -> Model:
                      max_positions=P + 2, decoder=True, final_norm_in_hidden_states=final_ln,
                      pad_token_id=config.get("pad_token_id"), bos_token_id=config.get("bos_token_id"),
                      position_offset=2, name=name)
-    return decoder_model(st, family="opt", d=d, H=H, e=e, norm="layernorm", eps=OPT_EPS, theta=None, rope_dim=None,
+    return decoder_model(st, d=d, H=H, e=e, norm="layernorm", eps=OPT_EPS, theta=None, rope_dim=None,
                          act=act, info=info, embeddings=embeddings, final_scale=final["scale"],
                          final_bias=final["bias"], head=head, placement="pre" if pre_ln else "post")

@@ -102,7 +102,7 @@ def convert_phi(config: dict, reader, dtype, name: str) -> Model:
                            {"word": (s.V, s.d), "scale": (s.d,), "bias": (s.d,)})
     head = lm_head(config, reader, (s.V, s.d), default_tied=False)
     head_bias = to_device(reader.get("lm_head.bias", (s.V,))) if reader.has("lm_head.bias") else None
-    return decoder_model(st, family="phi", d=s.d, H=s.H, G=s.G, e=s.e, norm="layernorm", eps=eps, theta=theta,
+    return decoder_model(st, d=s.d, H=s.H, G=s.G, e=s.e, norm="layernorm", eps=eps, theta=theta,
                          rope_dim=rope_dim, act=act, info=_info(config, reader, src, name, "phi"),
                          embeddings={"word": tensors["word"]}, final_scale=tensors["scale"],
                          final_bias=tensors["bias"], head=head, head_bias=head_bias, parallel=True)
@@ -138,7 +138,7 @@ def convert_phi3(config: dict, reader, dtype, name: str) -> Model:
             st.read(key, i, reader, p + HF_TENSORS[key][0], HF_TENSORS[key][1](s))
     tensors = read_tensors(reader, {"word": "embed_tokens.weight", "norm": "norm.weight"},
                            {"word": (s.V, s.d), "norm": (s.d,)})
-    return decoder_model(st, family="phi3", d=s.d, H=s.H, G=s.G, e=s.e, norm="rmsnorm", eps=eps, theta=theta,
+    return decoder_model(st, d=s.d, H=s.H, G=s.G, e=s.e, norm="rmsnorm", eps=eps, theta=theta,
                          rope_dim=rope_dim, act=act, info=_info(config, reader, src, name, "phi3"),
                          embeddings={"word": tensors["word"]}, final_scale=tensors["norm"],
                          head=lm_head(config, reader, (s.V, s.d), default_tied=False), window=window)

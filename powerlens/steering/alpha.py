@@ -62,7 +62,7 @@ from ..dynamics.params import Layers
 from ..dynamics.observers import final
 from ..dynamics.run import run, run_batch
 from .directions import as_direction
-from jaxtyping import ArrayLike, Bool, Int, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
 from .rank1 import choose_w, host_factors, host_matrices, layer_index, layer_w_choice
 
 
@@ -268,8 +268,8 @@ def entering_states(layers: Layers, x0: Real[ArrayLike, "*B n d"],
     return out["final"], valid
 
 
-def head_mix(lp, X: "float[n d]", valid: "bool[n]", *, keep_bias: bool, attention: str = "softmax",
-             positions=None) -> "float[n H e]":
+def head_mix(lp, X: Real[ArrayLike, "n d"], valid: Bool[ArrayLike, "n"], *, keep_bias: bool, attention: str = "softmax",
+             positions=None) -> Float[Array, "n He"]:
     """m_i = concat_h (A_h X V_h^T)_i (+ b_v when ``keep_bias``), the heads' outputs before W_o,
     so that attn(X)_i = W_o m_i (+ b_o): :func:`~powerlens.dynamics.layer.attention_output`
     with W_o = I and no b_o (rows of A sum to 1, so the values' bias passes through whole)."""
@@ -416,8 +416,8 @@ def minimal_alpha(layers: Layers, u, x0=None, *, valid=None, target: float = 0.9
                                                    positions=positions, signed=signed))
 
 
-def run_tail(layers: Layers, X: "float[B n d]", valid: "bool[B n]", tail, *, rule, attention, keep_bias,
-             positions=None) -> "float[B n d]":
+def run_tail(layers: Layers, X: Float[ArrayLike, "B n d"], valid: Bool[ArrayLike, "B n"], tail, *, rule, attention,
+             keep_bias, positions=None) -> Float[Array, "B n d"]:
     """Final tokens after the steps ``tail`` (a static Schedule or tuple of unique-layer indices): the
     ``final()`` observer of :func:`powerlens.dynamics.run`, vmapped over prompts (traceable:
     the optimiser differentiates through it). Only the layers of the tail are kept; their

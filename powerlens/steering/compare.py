@@ -34,7 +34,8 @@ def activation_model(model, vector, layer: int = -1):
     layers = model.layers
     cfg = layers.config
     if cfg.norm_placement == "post" or getattr(layers, "post_ffn_norm_scale", None) is not None:
-        raise ValueError(f"activation addition as a bias change is not exact for a {cfg.family} block "
+        family = getattr(model.info, "family", None) or "post-norm"
+        raise ValueError(f"activation addition as a bias change is not exact for a {family} block "
                          f"(its output is normed after the FFN)")
     last_step(layers, layer)                      # the layer is applied by the schedule
     l = layer_index(layers, layer)

@@ -61,11 +61,12 @@ def layer_sha256(model, layer: int) -> str:
 
 
 def model_identity(model, layer: int) -> dict:
-    """The ``model`` entry of an edit's metadata (module docstring)."""
+    """The ``model`` entry of an edit's metadata (module docstring); the family is the model's
+    ``info.family`` ("" for a model without a ModelInfo)."""
     from .rank1 import layer_index
     layers = model.layers
     info = getattr(model, "info", None)
-    return {"family": layers.config.family, "name": getattr(info, "name", "") or "",
+    return {"family": getattr(info, "family", "") or "", "name": getattr(info, "name", "") or "",
             "source": getattr(info, "source", "") or "", "d_model": int(layers.config.d_model),
             "n_unique": int(layers.n_unique), "layer_sha256": layer_sha256(model, layer_index(layers, layer))}
 

@@ -283,12 +283,12 @@ class Rank1Result:
     def zu(self) -> float:
         return float(self.z @ self.u)
 
-    def checkpoint_delta(self, family=None) -> np.ndarray:
+    def checkpoint_delta(self, family) -> np.ndarray:
         """delta_O in the stored layout of the checkpoint's output projection (see
         :func:`powerlens.models.layout.checkpoint_delta`): ``family`` is a family name, a
-        ModelInfo or a Model (pass ``model.info``); by default the family the layers were
-        loaded as."""
-        return checkpoint_delta(self.layers.config.family if family is None else family, self.delta_O)
+        ModelInfo or a Model (the layers alone do not know their family: pass ``model`` or
+        ``model.info``)."""
+        return checkpoint_delta(family, self.delta_O)
 
     def to_json(self) -> dict:
         c = lambda z: [float(np.real(z)), float(np.imag(z))]

@@ -50,6 +50,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ..dynamics.layer import full_attention_input, full_block
 from ..dynamics.options import Dynamics
@@ -78,7 +79,7 @@ RAY_GRID = np.linspace(-10.0, 10.0, 41)
 
 # ------------------------------------------------------------------ pure pieces
 
-def last_positions(valid: "bool[M n]") -> "int[M]":
+def last_positions(valid: Bool[ArrayLike, "M n"]) -> Int[Array, "M"]:
     """Index of each row's last valid token."""
     n = valid.shape[1]
     return n - 1 - jnp.argmax(valid[:, ::-1], axis=1)
@@ -89,7 +90,7 @@ def score_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def next_token_logp(model, h: "float[M d]") -> "float[M V]":
+def next_token_logp(model, h: Float[ArrayLike, "M d"]) -> Float[Array, "M V"]:
     """log p(. | prompt) from final residual states at the prompts' last tokens: final norm,
     LM head (soft-capped), log-softmax, in :func:`score_dtype` of the states."""
     z = model_logits(model, h)
@@ -103,7 +104,7 @@ def edit_dependent_steps(param: str, before_add: tuple, after_add: tuple) -> tup
     return tuple(after_add) if param == "activation" else tuple(before_add) + tuple(after_add)
 
 
-def final_step_inputs(lp, S: "float[M n d]", valid: "bool[M n]", last: "int[M]"):
+def final_step_inputs(lp, S: Float[ArrayLike, "M n d"], valid: Bool[ArrayLike, "M n"], last: Int[ArrayLike, "M"]):
     """(x "float[M d]", mix "float[M H e]"): each row's state at its last token entering the
     final step (layer ``lp``, rule ``full``) and that step's head mix there
     (:func:`~.alpha.head_mix` of the attention's input; the keys and values read every token
@@ -114,7 +115,7 @@ def final_step_inputs(lp, S: "float[M n d]", valid: "bool[M n]", last: "int[M]")
     return S[rows, last], mix[rows, last]
 
 
-def final_step(lp, x: "float[M d]", mix: "float[M H e]", factors=None) -> "float[M d]":
+def final_step(lp, x: Float[ArrayLike, "M d"], mix: Float[ArrayLike, "M He"], factors=None) -> Float[Array, "M d"]:
     """The final step's output at the last tokens: attention output a = (W_o + fP fQ^T) mix + b_o,
     the edit applied as (mix fQ) fP^T (no (d, H e) matrix formed), then the block
     (:func:`~powerlens.dynamics.layer.full_block`). ``factors``: (fP "(d, r)", fQ "(H e, r)") or None."""
@@ -127,8 +128,8 @@ def final_step(lp, x: "float[M d]", mix: "float[M H e]", factors=None) -> "float
     return full_block(lp, x, a)
 
 
-def prepare_states(layers, X: "float[M n d]", valid: "bool[M n]", last: "int[M]", *, param: str, before_add: tuple,
-                   after_add: tuple) -> dict:
+def prepare_states(layers, X: Float[ArrayLike, "M n d"], valid: Bool[ArrayLike, "M n"], last: Int[ArrayLike, "M"], *,
+                   param: str, before_add: tuple, after_add: tuple) -> dict:
     """The part of the forward pass that does not depend on the edit, run once: ``X`` (the tokens
     entering the first edited step), ``S`` (those entering the first edit-dependent step: X, or
     the output of ``before_add`` for activation addition), and, when the final step is the only
@@ -146,7 +147,8 @@ def prepare_states(layers, X: "float[M n d]", valid: "bool[M n]", last: "int[M]"
     return pre
 
 
-def edited_final_states(layers, pre: dict, valid, last, edit, *, layer: int, param: str, tail: tuple) -> "float[M d]":
+def edited_final_states(layers, pre: dict, valid, last, edit, *, layer: int, param: str,
+                        tail: tuple) -> Float[Array, "M d"]:
     """Final residual states "float[M d]" at each row's last token with ``edit``: (fP, fQ), the
     factors of dO = fP fQ^T added to W_o of unique layer ``layer``, or the vector v
     (``param="activation"``) added to every token after the steps ``before_add``; None: no
@@ -169,7 +171,7 @@ def edited_final_states(layers, pre: dict, valid, last, edit, *, layer: int, par
     return final_step(lp, *final_step_inputs(lp, S, valid, last))
 
 
-def token_constraints(z: "float[M V]", target_id, log_target, base_logp, max_kl: float, n_prompts: int):
+def token_constraints(z: Float[ArrayLike, "M V"], target_id, log_target, base_logp, max_kl: float, n_prompts: int):
     """(g "float[B+1]", log p(target) "float[B]", mean control KL): the constraints of the
     module docstring from next-token logits z "float[B+C V]" (prompts first) and the controls'
     unedited log-probabilities base_logp "float[C V]". The log-softmax is never formed: with

@@ -90,7 +90,7 @@ def _complex(lam):
     return lam[..., 0] + 1j * lam[..., 1]
 
 
-def predicted(lam: "float[S 3 2]") -> Dict[str, np.ndarray]:
+def predicted(lam: Real[ArrayLike, "S 3 2"]) -> Dict[str, np.ndarray]:
     """The spectral columns of S systems from lambda_1..3 (shifted order, NaN where absent)."""
     z = _complex(np.asarray(lam, np.float64))
     key = np.abs(1.0 + z)
