@@ -107,7 +107,10 @@ def steering_problem(model, K, steps):
                tol=1e-4, signed=False)
     kw = dict(opt, layer=l, tail=tail, rule="paper", attention="softmax", keep_bias=kb, w_kind="value")
     solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, **kw)
-    api = lambda: pl.optimize_steering(L, x0, D, valid=valid, w="value", **opt)
+    api = lambda: pl.optimize_steering(
+        L, x0, pl.AlignmentObjective(D, opt["target"], opt["reduce"], opt["signed"]), valid=valid,
+        config=pl.SteeringConfig(rank=opt["rank"], steps=steps, lr=opt["lr"], mu=opt["mu"],
+                                 dual_every=opt["dual_every"], tol=opt["tol"], w="value"))
     return solve, api
 
 
@@ -154,7 +157,7 @@ def measure(args) -> dict:
             x0, valid = tokens(model, B, n)
             for rule in ("paper", "full"):
                 add(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
-                    **timed(lambda: pl.run_states(model, x0, valid, rule=rule), args.repeat))
+                    **timed(lambda: pl.run_states(model, x0, valid, dynamics=pl.Dynamics(rule=rule)), args.repeat))
             add(workload="A", model=name, size=f"{B}x{n}", rule="paper", what="measures",
                 **timed(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid), args.repeat))
             fused_attention_entries(name, model, B, n, x0, valid, add, args.repeat)
@@ -162,14 +165,14 @@ def measure(args) -> dict:
     shared = minilm.replace(layers=minilm.layers.shared(3, steps))
     x0, valid = tokens(minilm, 1, 32)
     add(workload="B", model="minilm layer 3", size="1x32", what=f"T={steps}",
-        **timed(lambda: pl.run_states(shared, x0, valid, rule="paper"), args.repeat))
+        **timed(lambda: pl.run_states(shared, x0, valid, dynamics=pl.Dynamics()), args.repeat))
 
     u = jnp.asarray(np.random.default_rng(1).standard_normal(minilm.config.d_model), jnp.float32)
     x4, v4 = tokens(minilm, 4, 32)
 
     def loss(W, layers, x, v):
         lay = layers.replace(W_o=layers.W_o.at[-1].set(W))
-        Y = jax.vmap(lambda a, b: pl.run(lay, a, b, rule="paper", attention="softmax",
+        Y = jax.vmap(lambda a, b: pl.run(lay, a, b, dynamics=pl.Dynamics(),
                                          observers={"final": pl.final()})["final"])(x, v)
         return jnp.mean(jnp.abs(Y @ u) / (jnp.linalg.norm(Y, axis=-1) * jnp.linalg.norm(u)))
     grad = jax.jit(jax.grad(loss))

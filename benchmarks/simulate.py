@@ -58,7 +58,7 @@ sys.path.insert(0, HERE)
 
 import benchdoc  # noqa: E402
 import numpy_baseline as NB  # noqa: E402
-from powerlens import (Subspaces, layer_matrices, layer_spectra, reference_subspaces, simulate,  # noqa: E402
+from powerlens import (Dynamics, Subspaces, layer_matrices, layer_spectra, reference_subspaces, simulate,  # noqa: E402
                        sphere_tokens, synthetic_system)
 
 
@@ -153,7 +153,7 @@ def run(args) -> dict:
     systems, stacked, subs, X0 = build(S, d, H, n, T)
     print(f"build (spectra, subspaces): {time.perf_counter() - t0:.1f} s")
 
-    one = lambda lay, x, sub: simulate(lay, x, sub, rule="paper", attention="softmax")
+    one = lambda lay, x, sub: simulate(lay, x, sub, dynamics=Dynamics())
     variants = {"vmap": jax.jit(jax.vmap(one))}
     C = args.chunk
     if C and S % C == 0 and C < S:

@@ -104,6 +104,7 @@ import numpy as np  # noqa: E402
 
 import benchdoc  # noqa: E402
 
+import powerlens as pl  # noqa: E402
 from powerlens.dynamics import synthetic as S  # noqa: E402
 from powerlens.steering.optimize import (last_layer_terms, optimize_steering, prepare_problem,  # noqa: E402
                                          solve_many_jit, solve_many_sharded, solve_one_jit)
@@ -187,9 +188,10 @@ def start_point(model, prob, ids, controls, steps: int):
     from powerlens.steering.rank1 import inverse_map
     c = TOKEN_CONFIG
     t = time.perf_counter()
-    res = optimize_steering(model, prob["x0"], ids, objective="token", valid=prob["valid0"], controls=controls,
-                            target_prob=c["target_prob"], max_kl=c["max_kl"], rank=c["rank"], steps=steps,
-                            lr=c["lr"], mu=c["mu"], dual_every=c["dual_every"], tol=c["tol"])
+    res = optimize_steering(model, prob["x0"], pl.TokenObjective(ids, c["target_prob"], c["max_kl"], controls),
+                            valid=prob["valid0"],
+                            config=pl.SteeringConfig(rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"],
+                                                     dual_every=c["dual_every"], tol=c["tol"]))
     api_s = time.perf_counter() - t
     layers, l = model.layers, prob["layer"]
     dtype = layers.W_v.dtype
@@ -519,7 +521,6 @@ def run_token(args) -> dict:
         ids = rng.choice(np.arange(1, vocab), args.targets, replace=False)
         label = f"random 2-layer Llama-like decoder (d={model.layers.config.d_model})"
     else:
-        import powerlens as pl
         model = pl.load("smollm2")
         vocab = model.embeddings["word"].shape[0]
         prompts, controls = list(TOKEN_PROMPTS), None
@@ -674,10 +675,11 @@ def run_alignment(name, args):
     t_loop, r_loop = timed(loop)
     # the same at the level of the public API: one optimize_steering call with all directions
     # against one call per direction (each call prepares its problem: entering states, bases)
-    api_kw = dict(valid=valid, target=0.9, reduce="min", param="lowrank", rank=1, steps=args.steps, w="value",
-                  signed=False)
-    t_api_vec, _ = timed(lambda: optimize_steering(layers, x0, D, **api_kw).norm)
-    t_api_loop, _ = timed(lambda: [optimize_steering(layers, x0, D[i], **api_kw).norm for i in range(len(D))])
+    api_kw = dict(valid=valid, config=pl.SteeringConfig(rank=1, steps=args.steps, w="value"))
+    objective = lambda d: pl.AlignmentObjective(d, 0.9, "min", signed=False)
+    t_api_vec, _ = timed(lambda: optimize_steering(layers, x0, objective(D), **api_kw).norm)
+    t_api_loop, _ = timed(lambda: [optimize_steering(layers, x0, objective(D[i]), **api_kw).norm
+                                   for i in range(len(D))])
     norm_loop = np.array([float(r["norm"]) for r in r_loop])
     rel = np.abs(np.asarray(r_vec["norm"]) - norm_loop) / norm_loop
     ratio = np.asarray(r_vec["norm"]) / np.asarray(r_vec["closed_norm"])

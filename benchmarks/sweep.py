@@ -106,12 +106,12 @@ def kernel(args) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, HERE)
     from simulate import build  # noqa: E402  (benchmarks/simulate.py)
-    from powerlens import simulate
+    from powerlens import Dynamics, simulate
     S, C = args.kernel_systems, 8
     _, stacked, subs, X0 = build(S, args.d, args.heads, args.tokens, args.steps)
     mesh = Mesh(np.array(jax.devices()), ("s",))
     local = S // jax.device_count()
-    one = lambda lay, x, sub: simulate(lay, x, sub, rule="paper", attention="softmax")
+    one = lambda lay, x, sub: simulate(lay, x, sub, dynamics=Dynamics())
 
     def chunked_local(stacked, X0, subs):
         split = lambda a: a.reshape((local // C, C) + a.shape[1:])

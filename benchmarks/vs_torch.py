@@ -316,7 +316,7 @@ def workload_a(models, sizes, timing, report):
             tx, tv = torch.from_numpy(x0), torch.from_numpy(valid)
             for rule in ("paper", "full"):
                 # equality
-                ours = np.asarray(pl.run_states(model, x0, valid, rule=rule)[-1])
+                ours = np.asarray(pl.run_states(model, x0, valid, dynamics=pl.Dynamics(rule=rule))[-1])
                 with torch.inference_mode():
                     theirs = torch_run(cfg, params, sched, tx, tv, rule)[-1].numpy()
                 err = float(np.max(np.abs(ours - theirs)[valid]) / max(np.max(np.abs(theirs[valid])), 1e-30))
@@ -328,10 +328,11 @@ def workload_a(models, sizes, timing, report):
                 def t_meas():
                     with torch.inference_mode():
                         torch_run(cfg, params, sched, tx, tv, rule, tsubs)
-                fns = {"pl": jax_call(lambda: pl.run_states(model, x0, valid, rule=rule)), "torch": t_states}
+                fns = {"pl": jax_call(lambda: pl.run_states(model, x0, valid, dynamics=pl.Dynamics(rule=rule))),
+                       "torch": t_states}
                 if rule == "paper":                  # every measure; timed in turns with the states
                     fns.update(pl_meas=jax_call(lambda: pl.simulate_batch(model.layers, x0, subs, valid=valid,
-                                                                          rule=rule)), torch_meas=t_meas)
+                                                                          dynamics=pl.Dynamics(rule=rule))), torch_meas=t_meas)
                 t = best_of_each(fns, timing)
                 report(dict(workload="A", model=name, size=f"{B}x{n}", rule=rule, what="states",
                             powerlens_s=t["pl"], torch_s=t["torch"], ratio=t["torch"] / t["pl"], rel_err=err))
@@ -347,7 +348,7 @@ def workload_b(model, steps, timing, report):
     params = torch_layers(L)
     x0, valid = prompts(model, 1, 32)
     fake = model.replace(layers=L)
-    ours = np.asarray(pl.run_states(fake, x0, valid, rule="paper")[-1])
+    ours = np.asarray(pl.run_states(fake, x0, valid, dynamics=pl.Dynamics())[-1])
     tx, tv = torch.from_numpy(x0), torch.from_numpy(valid)
     with torch.inference_mode():
         theirs = torch_run(cfg, params, [0] * steps, tx, tv, "paper")[-1].numpy()
@@ -356,7 +357,7 @@ def workload_b(model, steps, timing, report):
     def t_torch():
         with torch.inference_mode():
             torch_run(cfg, params, [0] * steps, tx, tv, "paper")
-    t_pl, t_t = best_of_pair(jax_call(lambda: pl.run_states(fake, x0, valid, rule="paper")), t_torch, timing)
+    t_pl, t_t = best_of_pair(jax_call(lambda: pl.run_states(fake, x0, valid, dynamics=pl.Dynamics())), t_torch, timing)
     report(dict(workload="B", model="minilm layer 3", size="1x32", rule="paper", what=f"T={steps}",
                 powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, abs_err=err))
 
@@ -372,7 +373,7 @@ def workload_c(model, timing, report):
     U = L.n_unique
 
     def final(lay, x):
-        return jax.vmap(lambda x1, v1: pl.run(lay, x1, v1, rule="paper", attention="softmax",
+        return jax.vmap(lambda x1, v1: pl.run(lay, x1, v1, dynamics=pl.Dynamics(),
                                               observers={"final": pl.final()})["final"])(x, jv)
 
     def score(Y):
@@ -729,9 +730,10 @@ def workload_e(model, K, steps, timing, report, check_steps=40):
     report(dict(workload="E", model="minilm last layer", size=f"{K} dirs", rule="paper",
                 what=f"solve {steps} Adam steps", powerlens_s=t_pl, torch_s=t_t, ratio=t_t / t_pl, **cmp))
     # end to end: the public API against the torch user's whole pipeline
-    api = lambda: pl.optimize_steering(L, x0, D, valid=valid, target=c["target"], reduce=c["reduce"],
-                                       param="lowrank", rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"],
-                                       dual_every=c["dual_every"], tol=c["tol"], w="value", signed=c["signed"])
+    api = lambda: pl.optimize_steering(
+        L, x0, pl.AlignmentObjective(D, c["target"], c["reduce"], c["signed"]), valid=valid,
+        config=pl.SteeringConfig(rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"], dual_every=c["dual_every"],
+                                 tol=c["tol"], w="value"))
     params, sched = torch_layers(L), list(L.schedule)
     tx, tv, tU = T(x0), T(valid), T(D, np.float32)
 

@@ -30,6 +30,15 @@ if not os.environ.get(_OWNER) or os.environ.get(_OWNER) != os.environ.get("JAX_C
     os.environ[_FAULTS] = _tempfile.mkdtemp(prefix="powerlens-test-faults-")
     _atexit.register(_shutil.rmtree, os.environ[_FAULTS], ignore_errors=True)
 
+# XLA compiles without LLVM's optimisation passes in the test processes and their subprocesses.
+# XLA's own HLO passes (fusion, layout, buffer assignment) run as usual and matmuls call the same
+# library kernels; what changes is the machine code of the fused loops, and compiling takes about
+# half as long (a token-steering CLI run on a tiny Llama: 52 s of compiling -> 26 s), which is
+# most of what the suite spends. The benchmarks and every command a user runs keep XLA's default.
+_O0 = "--xla_backend_optimization_level=0"
+if _O0 not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _O0).strip()
+
 # --- typecheck: the public functions' jaxtyping annotations, checked under beartype ---------------
 # Every function of powerlens._EXPORTS is wrapped with jaxtyping.jaxtyped(typechecker=beartype)
 # for the whole session (tests/typecheck.py); POWERLENS_TYPECHECK=0 turns it off.
@@ -44,6 +53,37 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_compilation_cache", False)     # this process: no persistent cache (above)
+
+
+# --- live compiled programs ------------------------------------------------------------------------
+# Each live XLA:CPU executable holds about three memory mappings of its compiled code, and the jit
+# caches keep every program a process compiled alive. An xdist worker that runs ~900 tests reached
+# 23,000 mappings; at the kernel's vm.max_map_count (65,530 by default) a new mapping fails inside
+# XLA's compiler and the process dies of a segmentation fault. After each module, a process past a
+# third of that limit drops its compiled programs (jax.clear_caches(); the next use recompiles).
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:                 # not Linux: no such limit to watch
+        return 0
+
+
+def _mapping_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _few_enough_compiled_programs():
+    yield
+    if _mappings() > _mapping_limit() // 3:
+        import gc
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +105,11 @@ def cache_env():
 
 
 # --- a worker that dies --------------------------------------------------------------------------
-# jaxlib 0.10.2's CPU compiler now and then dies of a segmentation fault in a long-lived process
-# (seen in backend_compile_and_load, executable.serialize and deserialize_executable, each time in
-# a different test that passes on its own). A test whose xdist worker died runs once more, in the
-# fresh worker xdist starts; the crash is reported with the dead worker's Python stack; a second
-# crash of the same test fails it.
+# The known cause of a dying worker, too many live compiled programs, is bounded above
+# (_few_enough_compiled_programs: at the mapping limit LLVM reports "Cannot allocate memory" and the
+# process dies of a segmentation fault inside backend_compile_and_load). Should a worker die anyway,
+# the test it was running runs once more, in the fresh worker xdist starts, and the crash is printed
+# with the dead worker's Python stack; a second crash of the same test fails it.
 _CRASHES: dict = {}
 
 

@@ -265,7 +265,8 @@ print("SHARDED", len(whole.sharding.device_set))
 def test_map_systems_shards_a_count_that_does_not_divide_four_devices():
     import subprocess
     import sys
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", MULTI_DEVICE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "SHARDED 4" in done.stdout

@@ -166,7 +166,8 @@ json.dump(res, open(out, "w"))
 def result(tmp_path_factory):
     import json
     tmp = tmp_path_factory.mktemp("shard")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp / "llama"), str(tmp / "out.json"), HERE],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

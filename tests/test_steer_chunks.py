@@ -1,9 +1,12 @@
 """Steering's Adam loop runs from the host in chunks of compiled steps (no host callbacks).
 
 - ``solve_in_chunks`` gives bitwise the same result whatever the chunk size: chunks of 3 (the
-  last one shorter) against one scan of all the steps, for the alignment and token objectives.
+  last one masking 2 of its steps) against one scan of all the steps, for the alignment and
+  token objectives.
+- Every call of the loop has one length, so it is one compiled program: 7 steps in chunks of at
+  most 3 are three calls of 3 steps; 30 steps in chunks of at most 25 are two calls of 15.
 - A run with progress equals a quiet one bitwise, and the progress sink hears the step count
-  at every chunk boundary (25, 50, 60 for 60 steps).
+  at every chunk boundary (20, 40, 60 for 60 steps).
 - The compiled programs go to JAX's persistent compilation cache: a second process with the
   same cache folder compiles nothing new (a program with a host callback is never written there,
   so every non-quiet run used to recompile).
@@ -66,6 +69,28 @@ def test_alignment_chunks_equal_one_scan(monkeypatch, param):
     assert runs[0].history_alignment.shape == (2, 7)
 
 
+def test_every_call_of_the_loop_has_one_length(monkeypatch):
+    import powerlens.steering.lagrangian as G
+    from powerlens.steering.lagrangian import chunk_length
+    assert [chunk_length(s, 25) for s in (1, 25, 26, 30, 51, 100)] == [1, 25, 13, 15, 17, 25]
+    assert [chunk_length(7, 3), chunk_length(6, 3), chunk_length(8, 3)] == [3, 3, 3]
+    lengths, real = [], G.map_targets
+
+    def recording(fn, split, shared, mapped, static, mesh=None):
+        if "n" in static:
+            lengths.append(static["n"])
+        return real(fn, split, shared, mapped, static, mesh)
+    monkeypatch.setattr(G, "map_targets", recording)
+    model = tiny_decoder(1, vocab=5)
+    _with_chunk(monkeypatch, 3)
+    res = pl.optimize_steering(model.layers, X0, np.ones(D), target=0.9, steps=7)
+    assert lengths == [3, 3, 3] and res.history_alignment.shape == (1, 7)
+    lengths.clear()
+    _with_chunk(monkeypatch, 25)
+    pl.optimize_steering(model.layers, X0, np.ones(D), target=0.9, steps=30)
+    assert lengths == [15, 15]
+
+
 class _Recorder(SteerProgress):
     def __init__(self):
         super().__init__(True, stream=open(os.devnull, "w"), interval=100.0)
@@ -83,7 +108,7 @@ def test_progress_between_chunks_and_quiet_equal():
         rec.stage("t", total=60, levels=[0.3, 0.9])
         loud = pl.optimize_steering(model, X0, [0, 0], param="lowrank", steps=60, progress=True, **TOKEN)
     _same(quiet, loud, FIELDS + ("target_prob", "control_kl", "history_norm", "history_min_target_prob"))
-    assert sorted({i for i, _, _ in rec.seen}) == [24, 49, 59]          # 0-based last step of each chunk
+    assert sorted({i for i, _, _ in rec.seen}) == [19, 39, 59]          # 0-based last step of each chunk
     assert sorted({round(lv, 6) for _, lv, _ in rec.seen}) == [0.3, 0.9] and all(k for _, _, k in rec.seen)
     u = np.random.default_rng(1).normal(size=D)
     quiet = pl.optimize_steering(model.layers, X0, u, target=0.9, steps=30)
@@ -91,7 +116,7 @@ def test_progress_between_chunks_and_quiet_equal():
         rec.stage("a", total=30, levels=[0.9])
         loud = pl.optimize_steering(model.layers, X0, u, target=0.9, steps=30, progress=True)
     _same(quiet, loud, FIELDS + ("alignment", "history_alignment"))
-    assert [i for i, _, _ in rec.seen] == [24, 29] and not any(k for _, _, k in rec.seen)   # no KL: NaN
+    assert [i for i, _, _ in rec.seen] == [14, 29] and not any(k for _, _, k in rec.seen)   # no KL: NaN
 
 
 _CHILD = """

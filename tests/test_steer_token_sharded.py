@@ -38,7 +38,8 @@ np.savez(sys.argv[1], delta_O=res.delta_O, norm=res.norm, target_prob=res.target
 
 def _run(tmp_path, env, devices: int) -> dict:
     path = tmp_path / f"devices{devices}.npz"
-    env = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(env, XLA_FLAGS=env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), HERE], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -78,7 +78,8 @@ def test_traced_shared_layer_is_read_through_in_out_copies_built_once():
 
 
 def test_sharded_sweep_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "SHARDED-OK 2" in out.stdout

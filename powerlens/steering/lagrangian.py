@@ -75,11 +75,13 @@ def adam_start(constraints: Callable, params, optimizer: optax.GradientTransform
 
 
 def adam_steps(size: Callable, constraints: Callable, state: dict, i0, n: int, *,
-               optimizer: optax.GradientTransformation, mu: float, dual_every: int, tol: float):
+               optimizer: optax.GradientTransformation, mu: float, dual_every: int, tol: float, stop=None):
     """Steps i0 .. i0 + n - 1 of the loop (one ``lax.scan`` of static length n; ``i0`` may be
     traced) from ``state`` (:func:`adam_start` or an earlier call): (state, (aux "float[n]",
     N "float[n]")). Running the steps in several calls gives the same state as one call: the
-    optimiser's own step count (its schedule) is part of the state."""
+    optimiser's own step count (its schedule) is part of the state. ``stop`` (may be traced):
+    steps i >= stop leave the state as it is (their aux and N are to be dropped), so that
+    calls of one length n cover any number of steps with one compiled program."""
     grad = jax.value_and_grad(_objective(size, constraints, mu), has_aux=True)
 
     def step(carry, i):
@@ -90,7 +92,10 @@ def adam_steps(size: Callable, constraints: Callable, state: dict, i0, n: int, *
         upd, opt_state = optimizer.update(gr, opt_state, p)
         p = optax.apply_updates(p, upd)
         lam = jnp.where((i + 1) % dual_every == 0, jnp.maximum(0.0, lam + mu * g), lam)
-        return (p, opt_state, lam, best, g), (aux, N)
+        new = (p, opt_state, lam, best, g)
+        if stop is not None:
+            new = jax.tree_util.tree_map(lambda a, b: jnp.where(i < stop, a, b), new, carry)
+        return new, (aux, N)
 
     carry = (state["params"], state["opt"], state["lam"], state["best"], state["g"])
     (p, opt_state, lam, best, g), hist = jax.lax.scan(step, carry, i0 + jnp.arange(n))
@@ -151,7 +156,16 @@ def _per_target(fn, split: int, static_items):
 
 
 CHUNK = 25
-"""Adam steps per compiled call of :func:`solve_in_chunks` (progress is reported between calls)."""
+"""The most Adam steps per compiled call of :func:`solve_in_chunks` (progress is reported
+between calls)."""
+
+
+def chunk_length(steps: int, chunk: int = CHUNK) -> int:
+    """The one length of every call of :func:`solve_in_chunks`: ``ceil(steps / calls)`` with
+    ``calls = ceil(steps / chunk)``, so that the calls are as even as they can be (30 steps:
+    2 x 15, not 25 + 5) and the last one masks fewer than ``calls`` steps."""
+    calls = max(1, -(-int(steps) // int(chunk)))
+    return -(-int(steps) // calls)
 
 
 def solve_in_chunks(phases, shared: tuple, mapped: tuple, static: dict, *, steps: int, report=None,
@@ -160,12 +174,15 @@ def solve_in_chunks(phases, shared: tuple, mapped: tuple, static: dict, *, steps
     per compiled call, each call sharded over the devices (:func:`map_targets`).
 
     ``phases`` = (start, advance, finish), called as ``start(*shared, *one)`` -> (ctx, state),
-    ``advance(*shared, i0, *one, ctx, state, n=n)`` -> (state, (aux "float[n]", size "float[n]"))
+    ``advance(*shared, i0, stop, *one, ctx, state, n=n)`` -> (state, (aux "float[n]", size
+    "float[n]")), steps i >= stop left undone (:func:`adam_steps`)
     and ``finish(*shared, *one, ctx, state, aux "float[steps]", size "float[steps]")`` -> the
     result's dict, each with ``**static`` (``one``: a target's slice of ``mapped``). The state
     carries everything the loop needs (parameters, the optimiser's state and step count,
-    multipliers, the best iterate), so the numbers do not depend on ``chunk``; the programs
-    have no host callbacks, so they go to the persistent compilation cache.
+    multipliers, the best iterate), so the numbers do not depend on ``chunk``. Every call has
+    the same length (:func:`chunk_length`; the last one's extra steps masked), so the loop is
+    three compiled programs whatever ``steps`` is; they have no host callbacks, so they go to
+    the persistent compilation cache.
 
     ``report``: None, or ``report(i, ctx, state, aux)`` on the host after each call, i the
     number of steps done and aux "float[K n]" that call's per-step values (it waits for them).
@@ -175,14 +192,15 @@ def solve_in_chunks(phases, shared: tuple, mapped: tuple, static: dict, *, steps
     mesh = execution.device_mesh(jax.device_count())      # one mesh for every call of the run
     ctx, state = map_targets(start, n_shared, shared, mapped, static, mesh)
     hist_aux, hist_size = [], []
-    i = 0
+    i, n, stop = 0, chunk_length(steps, chunk), jnp.asarray(steps, jnp.int32)
     while i < steps:
-        n = min(int(chunk), steps - i)
-        state, (aux, size) = map_targets(advance, n_shared + 1, shared + (jnp.asarray(i, jnp.int32),),
+        state, (aux, size) = map_targets(advance, n_shared + 2, shared + (jnp.asarray(i, jnp.int32), stop),
                                          mapped + (ctx, state), {**static, "n": n}, mesh)
+        done = min(n, steps - i)                            # the steps of this call that were taken
+        aux, size = (aux, size) if done == n else (aux[:, :done], size[:, :done])
         hist_aux.append(aux)
         hist_size.append(size)
-        i += n
+        i += done
         if report is not None:
             report(i, ctx, state, aux)
     cat = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)

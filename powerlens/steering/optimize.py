@@ -199,12 +199,13 @@ def align_start(layers, X, valid, R, positions, pm, u, key, **st):
     return ctx, adam_start(constraints, params, opt)
 
 
-def align_advance(layers, X, valid, R, positions, pm, i0, u, key, ctx, state, *, n: int, **st):
-    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state`` (:func:`~.lagrangian.adam_steps`)."""
+def align_advance(layers, X, valid, R, positions, pm, i0, stop, u, key, ctx, state, *, n: int, **st):
+    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state``, those >= ``stop`` left undone
+    (:func:`~.lagrangian.adam_steps`)."""
     _, _, align_params, _ = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
     size, constraints, opt = _align_loop(align_params, ctx["closed_norm"], **_loop_kw(st))
     return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
-                      tol=st["tol"])
+                      tol=st["tol"], stop=stop)
 
 
 def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_aux, hist_size, **st):
@@ -260,7 +261,7 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
               w_kind=w_kind, bisect_iters=bisect_iters, lr_floor=lr_floor, signed=signed, optimizer=optimizer)
     shared = (layers, X, valid, R, positions, pm)
     ctx, state = align_start(*shared, u, key, **st)
-    state, (hist_aux, hist_size) = align_advance(*shared, 0, u, key, ctx, state, n=steps, **st)
+    state, (hist_aux, hist_size) = align_advance(*shared, 0, None, u, key, ctx, state, n=steps, **st)
     return align_finish(*shared, u, key, ctx, state, hist_aux, hist_size, **st)
 
 
@@ -559,8 +560,8 @@ def _optimize_keywords(model_or_layers, x0, targets, *, objective: str = "alignm
         target) and control prompts (texts or token-id lists; default
         :data:`~.token.CONTROL_PROMPTS`).
       progress: report the steps to the active :class:`~.progress.SteerProgress` (the loop
-        runs in chunks of :data:`CHUNK` steps whether or not it reports, so the numbers are the
-        same; ``vectorize=False`` reports nothing).
+        runs in even chunks of at most :data:`CHUNK` steps whether or not it reports, so the
+        numbers are the same; ``vectorize=False`` reports nothing).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; expected one of {OBJECTIVES}")

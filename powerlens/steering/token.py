@@ -288,13 +288,14 @@ def token_start(model, pre, valid, last, base_logp, R, u, target_id, log_target,
     return ctx, adam_start(constraints, params, opt)
 
 
-def token_advance(model, pre, valid, last, base_logp, R, i0, u, target_id, log_target, key, ctx, state, *, n: int,
-                  **st):
-    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state`` (:func:`~.lagrangian.adam_steps`)."""
+def token_advance(model, pre, valid, last, base_logp, R, i0, stop, u, target_id, log_target, key, ctx, state, *,
+                  n: int, **st):
+    """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state``, those >= ``stop`` left undone
+    (:func:`~.lagrangian.adam_steps`)."""
     _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target,
                                             ctx["closed_norm"], **st)
     return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
-                      tol=st["tol"])
+                      tol=st["tol"], stop=stop)
 
 
 def token_finish(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, ctx, state, hist_aux,
@@ -343,7 +344,7 @@ def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_tar
     shared = (model, pre, valid, last, base_logp, R)
     one = (u, target_id, log_target, key)
     ctx, state = token_start(*shared, *one, **st)
-    state, (hist_aux, hist_size) = token_advance(*shared, 0, *one, ctx, state, n=steps, **st)
+    state, (hist_aux, hist_size) = token_advance(*shared, 0, None, *one, ctx, state, n=steps, **st)
     return token_finish(*shared, *one, ctx, state, hist_aux, hist_size, **st)
 
 
