@@ -89,14 +89,9 @@ def homonyms(names: Dict[str, Dict[str, str]]) -> Dict[str, List[str]]:
     return {n: sorted(where) for n, where in names.items() if len(where) > 1 and len(set(where.values())) > 1}
 
 
-PRIVATE_ALLOWED = {
-    # Inside powerlens/steering, whose optimiser and objectives are being rebuilt as values
-    # (issue 44, item 2: steering/edits.py takes the shared edit parametrisations out of
-    # optimize.py and token.py). Delete each entry when its crossing is gone: the test fails
-    # on a stale one.
-    ("powerlens.commands.steer_token", "powerlens.steering.compare", "_last_logp"),
-    ("powerlens.steering.optimize", "powerlens.steering.alpha", "_terms_batch"),
-}
+PRIVATE_ALLOWED: set = set()
+"""(user module, defining module, private name) crossings allowed: none. Add one only with its
+reason; the test fails on a stale entry."""
 
 SAME_NAME = {
     # one job, done once for each command's own report or folder:
@@ -107,9 +102,6 @@ SAME_NAME = {
     # one meaning, two implementations (a twin to merge, not a homonym): models/reader.py is
     # NumPy-only and does not import dynamics/params.py, which imports JAX
     "all_finite": "whether every value of an array is finite, checked in chunks (models/reader, dynamics/params)",
-    # models/kv_cache.py is new and being written (the KV cache of generation): its one decoding
-    # step shares the name of pl.decode (ids -> text) until it is renamed there
-    "decode": "models/tokens.decode (ids -> text, pl.decode) and models/kv_cache.decode (one cached step)",
 }
 
 

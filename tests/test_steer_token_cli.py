@@ -29,10 +29,10 @@ def steered(tmp_path_factory):
         pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
     from powerlens.cli import main
     out = tmp_path_factory.mktemp("steer") / "london"
-    # --steps 60: the start (the closed-form ray at the target probability) is feasible, and the
+    # --steps 20: the start (the closed-form ray at the target probability) is feasible, and the
     # best feasible iterate is kept, so fewer steps only leave the edit larger
     code = main(["steer", "smollm2", "--text", TEXT, "--direction", "token: London", "--optimize", "--objective",
-                 "token", "--target-prob", str(TARGET_PROB), "--max-kl", str(MAX_KL), "--steps", "60",
+                 "token", "--target-prob", str(TARGET_PROB), "--max-kl", str(MAX_KL), "--steps", "20",
                  "--out", str(out)])
     return code, out
 

@@ -145,12 +145,12 @@ def _not_finite(model, texts, controls, l):
     """The first prompt ("prompt i" or "control i") whose unedited next-token logits are not
     finite, or None."""
     from ..models.embed import embed
-    from ..steering.compare import _last_logp
+    from ..steering.compare import last_logp
     from ..steering.effects import forward_final
     from ..steering.token import CONTROL_PROMPTS
     for what, rows in (("prompt", texts), ("control prompt", list(CONTROL_PROMPTS) if controls is None else controls)):
         x0, valid = embed(model, rows)
-        lg, _ = _last_logp(model, forward_final(model, x0, valid, layer=l)[0], valid)
+        lg, _ = last_logp(model, forward_final(model, x0, valid, layer=l)[0], valid)
         bad = ~np.all(np.isfinite(np.asarray(lg, np.float64)), axis=-1)
         if bad.any():
             return f"{what} {int(np.argmax(bad))}"

@@ -47,7 +47,7 @@ from .base import Model
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 from .embed import embed_arrays, embed_ids, prompt_ids, tokenizer
 from .forward import logits
-from .kv_cache import UNROLL_MIN_TOKENS, decode, decode_layers, prefill
+from .kv_cache import UNROLL_MIN_TOKENS, decode_layers, decode_step, prefill
 
 
 class Generation(NamedTuple):
@@ -286,7 +286,7 @@ def _steps(model: Model, state, stop, lengths, eos, projections, sampling, add, 
         at = lengths + k - 1                                            # the position of `token`
         pos = None if "position" not in E else (at + info.position_offset)[:, None]
         x = embed_arrays(dict(E, word=words), token[:, None], pos, scale, eps=eps, dtype=dtype)[:, 0]
-        h, cache = decode(model, x, at, cache, projections, add=add, add_step=add_step, unrolled=unrolled)
+        h, cache = decode_step(model, x, at, cache, projections, add=add, add_step=add_step, unrolled=unrolled)
         nxt = jnp.where(done, pad, _pick(logits(model, h), k, sampling, top_k))
         count = count + (~done).astype(jnp.int32)
         done = done | jnp.isin(nxt, eos)

@@ -12,10 +12,10 @@ token, as transformers does with a left-padded batch and its attention mask.
     prefill   the prompts through every step of the schedule (the model's own attention, by
               query blocks for long prompts), recording each step's k and v:
               :func:`prefill` -> (h "float[B d]" at each prompt's last token, the cache)
-    decode    one token per row at its position p_b: each step forms its q, k, v, writes k, v
+    decode_step  one token per row at its position p_b: each step forms its q, k, v, writes k, v
               at index p_b, and attends over the cache's keys j with
               j <= p_b and (window == 0 or j > p_b - window)      (local layers: the window)
-              :func:`decode` -> (h "float[B d]", the cache with index p_b written); one
+              :func:`decode_step` -> (h "float[B d]", the cache with index p_b written); one
               ``lax.scan`` over the stacked layers, or, on a CPU, each layer's own buffers
               read by a step written out layer by layer (:func:`decode_layers`)
 
@@ -153,7 +153,7 @@ one thread, on a loaded 2-core machine: 41 against 55 ms a token, about twice th
 
 def decode_layers(model: Model, projections, force: bool = False):
     """Each unique layer's weights as its own buffers, for a decoding step written out layer by
-    layer (:func:`decode`'s ``unrolled``), or None where the scan over the stacked layers is used.
+    layer (:func:`decode_step`'s ``unrolled``), or None where the scan over the stacked layers is used.
 
     On the CPU a step of one token per row is bound by reading the weights, and XLA reads a
     layer's slice of a stacked array through a copy, and the FFN's (out, in) rows through a
@@ -187,7 +187,7 @@ def _split_layers(layers, projections):
     return tuple(out)
 
 
-def decode(model: Model, x: Float[ArrayLike, "B d"], positions: Int[ArrayLike, "B"], cache: KVCache, projections, *,
+def decode_step(model: Model, x: Float[ArrayLike, "B d"], positions: Int[ArrayLike, "B"], cache: KVCache, projections, *,
            add=None, add_step=None, unrolled=None):
     """One new token per row, x "float[B d]" (embedded) at ``positions`` "int[B]": (its final
     state "float[B d]", the cache with each row's keys and values written at its position).

@@ -287,7 +287,7 @@ def _one_step_terms(lp, X, valid, keep_bias, attention, positions):
     return p, m
 
 
-_terms_batch = jax.jit(jax.vmap(_one_step_terms, in_axes=(None, 0, 0, None, None, None)),
+terms_batch = jax.jit(jax.vmap(_one_step_terms, in_axes=(None, 0, 0, None, None, None)),
                        static_argnames=("keep_bias", "attention"))
 
 
@@ -333,7 +333,7 @@ def alignment_alpha(layers: Layers, X, u, *, target: float = 0.99, valid=None,
     _, V, _ = host_matrices(layers, l)
     wv = choose_w(V, u, w, l)
     Xb, vb = prepare_tokens(layers, X, valid)
-    p, m = _terms_batch(layers.layer(l), Xb, vb, keep_bias, attention, positions)
+    p, m = terms_batch(layers.layer(l), Xb, vb, keep_bias, attention, positions)
     p = np.asarray(p, np.float64)
     m = np.asarray(m, np.float64)
     vb = np.asarray(vb)

@@ -50,7 +50,7 @@ def _edited(model, edit, layer):
     return model, np.asarray(edit["vector"])
 
 
-def _last_logp(model, h, valid):
+def last_logp(model, h, valid):
     """(logits "float[B V]", log p "float64[B V]") at each row's last valid token: the logits
     as the model computes them, the log-softmax on the host in float64 (so that p sums to 1 to
     float64 rounding and a KL of an unchanged distribution is 0, not -1e-8)."""
@@ -65,8 +65,8 @@ def _last_logp(model, h, valid):
 
 
 def _last_probs(model, h, valid):
-    """(logits, p "float64[B V]") at each row's last valid token (:func:`_last_logp`)."""
-    lg, logp = _last_logp(model, h, valid)
+    """(logits, p "float64[B V]") at each row's last valid token (:func:`last_logp`)."""
+    lg, logp = last_logp(model, h, valid)
     return lg, np.exp(logp)
 
 
@@ -101,7 +101,7 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
     xp, vp = _embed(model, paraphrases) if paraphrases else (None, None)
     v = np.asarray(valid, bool)
     h0, Y0 = forward_final(model, x0, valid, layer=layer)
-    _, lpc0 = _last_logp(model, forward_final(model, xc, vc, layer=layer)[0], vc)
+    _, lpc0 = last_logp(model, forward_final(model, xc, vc, layer=layer)[0], vc)
     Y0 = np.asarray(Y0, np.float64)
 
     def measure(m, add, name):
@@ -112,7 +112,7 @@ def edit_effects(model, prompts: Sequence[str], edits: Mapping[str, dict], *, ta
             pt = p[:, int(target_id)]
             out.update({"target_prob": pt.tolist(), "target_prob_mean": float(pt.mean()),
                         "target_rank": [int(1 + np.sum(row > row[int(target_id)])) for row in p]})
-        _, lpc = _last_logp(m, forward_final(m, xc, vc, layer=layer, add=add)[0], vc)
+        _, lpc = last_logp(m, forward_final(m, xc, vc, layer=layer, add=add)[0], vc)
         out["control_kl_mean"] = float(kl_rows(lpc0, lpc).mean())
         out["layer_output_change"] = float(np.linalg.norm((np.asarray(Y, np.float64) - Y0)[v]))
         if xp is not None and target_id is not None:

@@ -361,8 +361,8 @@ def last_layer_terms(layers: Layers, X, valid, layer: int, keep_bias: bool, atte
     span(p_i, u): the optimiser works in those coordinates (at most B n + 1 columns; the
     direction's own column is added per direction) and lifts the result back.
     """
-    from .alpha import _terms_batch
-    p, m = _terms_batch(layers.layer(layer), X, valid, keep_bias, attention, positions)
+    from .alpha import terms_batch
+    p, m = terms_batch(layers.layer(layer), X, valid, keep_bias, attention, positions)
     v = np.asarray(valid, bool)
     dtype = layers.dtype
     Bm = _row_basis(np.asarray(m, np.float64)[v])
