@@ -55,22 +55,6 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_compilation_cache", False)     # this process: no persistent cache (above)
 
 
-# --- the longest modules first ---------------------------------------------------------------------
-# pytest-xdist's worksteal gives each worker a contiguous half of the collection and lets an idle
-# worker take the end of the other's queue. With the modules that take 40-110 s of worker time at
-# the front, the run ends on short tests instead of one worker finishing a long module alone.
-# (The order of the tests inside a module, and of the other modules, is kept.)
-LONGEST_MODULES = ("test_sweep_distributed.py", "test_generate_kv.py", "test_benchmarks.py",
-                   "test_dynamics_reference.py", "test_shard_model.py", "test_steer_defaults.py",
-                   "test_steer_token_cli.py", "test_gemma3.py", "test_no_torch.py", "test_reproduce_rows.py",
-                   "test_generate.py", "test_one_definition.py", "test_steer_edits_progress.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))
-
-
 # --- live compiled programs ------------------------------------------------------------------------
 # Each live XLA:CPU executable holds about three memory mappings of its compiled code, and the jit
 # caches keep every program a process compiled alive. An xdist worker that runs ~900 tests reached
