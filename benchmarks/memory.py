@@ -137,7 +137,7 @@ def child(spec: dict) -> dict:
     x0, valid = prompt(pl, np, model, n)
     subs = pl.reference_subspaces(pl.layer_spectra(np.asarray(pl.layer_matrices(layers))))
     jax.block_until_ready((x0, valid, subs.basis))
-    call = lambda: jax.block_until_ready(pl.simulate_batch(layers, x0, subs, valid=valid, rule="paper",
+    call = lambda: jax.block_until_ready(pl.simulate_batch(layers, x0, subs, valid=valid, dynamics=pl.Dynamics(),
                                                            save_states=spec.get("save_states", False)))
     ok = reset_hwm()
     out.update(n=n, steps=len(layers.schedule), before=rss())

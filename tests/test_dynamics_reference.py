@@ -17,6 +17,7 @@ import reference_numpy as R
 
 from powerlens.analysis.spectra import layer_spectra, reference_subspaces
 from powerlens.dynamics.layer import layer_step
+from powerlens.dynamics.options import Dynamics
 from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
 from powerlens.dynamics.simulate import simulate, simulate_batch, simulate_jit
 from powerlens.dynamics.synthetic import synthetic_system
@@ -305,8 +306,8 @@ def test_projections_cached_per_weights_never_stale(sys_causal):
     np.testing.assert_array_equal(np.asarray(uniform.out), np.asarray(P.out))
     X0, V = jnp.asarray(x0[None]), jnp.asarray(valid[None])
     for attention in ("softmax", "uniform"):
-        inside = run_mod._run_batch(layers, X0, V, None, None, None, rule="paper", attention=attention,
-                                    keep_bias=None, observe=("final",))["final"]
+        inside = run_mod._run_batch(layers, X0, V, None, None, None, dynamics=Dynamics(attention=attention),
+                                    observe=("final",))["final"]
         np.testing.assert_allclose(np.asarray(run_batch(layers, X0, V, attention=attention)["final"]),
                                    np.asarray(inside), rtol=0, atol=1e-5)
     other = layers.replace(W_q=layers.W_q * 2, W_o=layers.W_o * 3)
@@ -350,8 +351,8 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     for a, b in zip(jax.tree_util.tree_leaves(chunked), jax.tree_util.tree_leaves(whole)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
     t_chunked = sim.simulate_batch(layers, X0, sub, valid=V, save_states=True)
-    t_whole = sim.simulate_batch_jit(layers, X0, sub, V, None, None, rule="paper", attention="softmax",
-                                     keep_bias=None, save_states=True, measure_after=False)
+    t_whole = sim.simulate_batch_jit(layers, X0, sub, V, None, None, dynamics=Dynamics(),
+                                     save_states=True, measure_after=False)
     for a, b in zip(jax.tree_util.tree_leaves(t_chunked), jax.tree_util.tree_leaves(t_whole)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
 

@@ -228,8 +228,8 @@ def test_each_step_upcasts_its_own_layer_only(ckpt):
                            progress=False)
     L = pl.load(folder, parts="attention").layers
     x0 = np.asarray(pl.embed(pl.load(folder, parts="attention"), [[1, 2, 3, 4]])[0], np.float32)
-    compiled = run._run_batch.lower(L, x0, np.ones((1, 4), bool), None, None, None, rule="paper",
-                                    attention="softmax", keep_bias=None, observe=("final",)).compile()
+    compiled = run._run_batch.lower(L, x0, np.ones((1, 4), bool), None, None, None, dynamics=pl.Dynamics(),
+                                    observe=("final",)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     stack_f32 = 2 * array_bytes([L.W_q, L.W_k, L.W_v, L.W_o])
     assert temp < stack_f32 / 4, (temp, stack_f32)

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from powerlens.dynamics.options import Dynamics
+
 
 # --- stores and reports
 
@@ -426,8 +428,8 @@ def test_simulate_the_sweep_and_trace_take_their_observers_from_the_one_bundle(m
 
     X0, valid = jnp.stack([x0, x0[::-1]]), jnp.ones((2, 4), bool)
     trace_module._trace_batch.clear_cache()                                    # traced afresh: the spy sees it
-    out = jax.eval_shape(functools.partial(trace_module._trace_batch, rule="paper", keep_bias=None, maps=True,
-                                           chunk=None), system, X0, valid, subs, None, None)
+    out = jax.eval_shape(functools.partial(trace_module._trace_batch, dynamics=Dynamics("paper", "softmax", None),
+                                           maps=True, chunk=None), system, X0, valid, subs, None, None)
     assert calls[2] == ("trace", observers.BUNDLE + ("attention",))
     assert out["states"].shape == (6, 2, 4, 6) and out["attention"].shape == (5, 2, 1, 4, 4)   # steps-first
     with pytest.raises(ValueError, match="'final' is a name of the bundle"):

@@ -124,15 +124,14 @@ class Trace:
                 f"logits={shape(self.logits)})")
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "keep_bias", "maps", "chunk", "attention_block"))
-def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, rule, keep_bias, maps, chunk,
-                 attention_block=None):
+@functools.partial(jax.jit, static_argnames=("dynamics", "maps", "chunk"))
+def _trace_batch(layers, X0, valid, subspaces, projections, planes, *, dynamics, maps, chunk):
     """The observers of one run per prompt, states and attention maps steps-first."""
     observers = run_observers(subspaces, planes=planes, save_states=True,
-                              extras={"attention": attention_maps(layers, rule=rule)} if maps else None)
+                              extras={"attention": attention_maps(layers, rule=dynamics.rule)} if maps else None)
 
     def one(x, v):
-        return run(layers, x, v, dynamics=Dynamics(rule, "softmax", keep_bias, attention_block), observers=observers,
+        return run(layers, x, v, dynamics=dynamics, observers=observers,
                    projections=projections)
 
     out_axes = {name: int(name in ("states", "attention")) for name in observers}
@@ -185,8 +184,8 @@ def trace(model, prompts: Sequence, *, dynamics: Optional[Dynamics] = None, orde
     # weights held in another dtype than the compute dtype are cast a layer at a time: no (in, out) copies
     proj = prepared_projections(layers, "softmax") if layers.dtype == layers.storage_dtype else None
     out = _trace_batch(layers, X0, valid, subs, proj,
-                       rotation_planes(subs, layers), rule=r, keep_bias=keep_bias, maps=attention_weights,
-                       attention_block=dyn.attention_block,
+                       rotation_planes(subs, layers), dynamics=Dynamics(r, "softmax", keep_bias, dyn.attention_block),
+                       maps=attention_weights,
                        chunk=prompt_chunk(*X0.shape[:2], platform_of(layers.W_v)))
     all_states = out.pop("states")          # steps-first "float[T+1 B n d]": the Trace's own
     traj = trajectory(out, valid, subs.names)

@@ -272,11 +272,10 @@ def map_prompts(one: Callable, X0: Float[ArrayLike, "B n d"], valid: Bool[ArrayL
     return bufs
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "attention", "keep_bias", "attention_block", "observe",
-                                             "steps_first", "measure_after", "chunk"))
-def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, rule, attention, keep_bias, observe,
-               steps_first=False, measure_after=False, chunk=None, attention_block=None):
-    one = lambda x, v: run(layers, x, v, dynamics=Dynamics(rule, attention, keep_bias, attention_block),
+@functools.partial(jax.jit, static_argnames=("dynamics", "observe", "steps_first", "measure_after", "chunk"))
+def _run_batch(layers, X0, valid, positions, schedule, projections=None, *, dynamics, observe,
+               steps_first=False, measure_after=False, chunk=None):
+    one = lambda x, v: run(layers, x, v, dynamics=dynamics,
                            positions=positions, schedule=schedule, projections=projections, measure_after=measure_after,
                            observers={name: READY[name]() for name in observe})
     # the scan stacks each prompt's states step-major: with the prompt axis put second,
@@ -327,7 +326,6 @@ def run_batch(layers: Layers, X0: Real[ArrayLike, "*B n d"],
     # host arrays go straight into the compiled call (its C++ path transfers them; jnp.asarray
     # would dispatch one more operation each, about 0.4 ms of a 3 ms 1 x 16 MiniLM call)
     return _run_batch(layers, x_in, valid, positions, schedule,
-                      prepared_projections(layers, dyn.attention) if same else None, rule=dyn.rule,
-                      attention=dyn.attention, keep_bias=dyn.keep_bias, attention_block=dyn.attention_block,
+                      prepared_projections(layers, dyn.attention) if same else None, dynamics=dyn,
                       observe=tuple(observe), steps_first=bool(steps_first), measure_after=after,
                       chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))

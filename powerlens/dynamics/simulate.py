@@ -114,14 +114,13 @@ simulate_jit = jax.jit(simulate, static_argnames=_STATIC)
 
 
 def _simulate_batch(layers, X0, subspaces, valid, positions, schedule, projections=None, planes=None, chunk=None,
-                    *, rule, attention, keep_bias, attention_block=None, **kw):
-    dyn = Dynamics(rule, attention, keep_bias, attention_block)
+                    *, dynamics, **kw):
     f = lambda x, v: simulate(layers, x, subspaces, valid=v, positions=positions, schedule=schedule,
-                              projections=projections, planes=planes, dynamics=dyn, **kw)
+                              projections=projections, planes=planes, dynamics=dynamics, **kw)
     return map_prompts(f, X0, valid, chunk)
 
 
-simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=_STATIC[1:] + ("attention_block", "chunk"))
+simulate_batch_jit = jax.jit(_simulate_batch, static_argnames=("dynamics", "save_states", "measure_after", "chunk"))
 
 
 def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, *,
@@ -155,8 +154,7 @@ def simulate_batch(layers, X0: Real[ArrayLike, "*B n d"], subspaces: Subspaces, 
     proj = prepared_projections(layers, dyn.attention) if layers.dtype == layers.storage_dtype else None
     traj = simulate_batch_jit(layers, X0, subspaces, valid, positions,
                               schedule, proj, rotation_planes(subspaces, layers),
-                              rule=dyn.rule, attention=dyn.attention, keep_bias=dyn.keep_bias,
-                              attention_block=dyn.attention_block, save_states=save_states,
+                              dynamics=dyn, save_states=save_states,
                               measure_after=measure_after_pays(layers, X0, schedule),
                               chunk=prompt_chunk(*np.shape(X0)[:2], platform_of(layers.W_v)))
     if check_finite:
