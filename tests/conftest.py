@@ -13,9 +13,9 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # JAX's persistent compilation cache: one folder for the whole test session, shared by the
 # xdist workers' subprocesses (the commands a test starts: a killed run and its resumption, the
 # processes of one sweep), never the user's. Its size is bounded, so JAX locks it around every
-# read and write. The test processes themselves do not use it (see below): writing an
-# executable into it crashed a worker (a segmentation fault inside executable.serialize(),
-# jaxlib 0.10.2 on CPU), and a process reuses its own programs in memory anyway.
+# read and write. The test processes themselves do not use it (see below): a process reuses its
+# own programs in memory anyway, and serialising each one costs memory mappings too (a worker
+# that died inside executable.serialize() had run out of them: see "live compiled programs").
 _OWNER = "POWERLENS_TEST_XLA_CACHE"
 _FAULTS = "POWERLENS_TEST_FAULTS"     # each xdist worker's faulthandler log (see the crash hook below)
 if not os.environ.get(_OWNER) or os.environ.get(_OWNER) != os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -25,7 +25,8 @@ if not os.environ.get(_OWNER) or os.environ.get(_OWNER) != os.environ.get("JAX_C
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_OWNER] = _folder = _tempfile.mkdtemp(
         prefix="powerlens-test-xla-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(2 ** 30)     # with a size, JAX locks the folder
+    from powerlens.runtime.cache import MAX_BYTES as _MAX_BYTES     # light: imports no JAX
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_MAX_BYTES)  # with a size, JAX locks the folder
     _atexit.register(_shutil.rmtree, _folder, ignore_errors=True)   # by the process that made it
     os.environ[_FAULTS] = _tempfile.mkdtemp(prefix="powerlens-test-faults-")
     _atexit.register(_shutil.rmtree, os.environ[_FAULTS], ignore_errors=True)
