@@ -92,7 +92,7 @@ def main(argv=None):
     import torch
 
     import powerlens as pl
-    from powerlens.models.kv_cache import UNROLL_MIN_TOKENS
+    from powerlens._src.models.kv_cache import UNROLL_MIN_TOKENS
     torch.set_num_threads(threads)
     with benchdoc.Capture() as printed:
         model, hf = load_pair(args.tiny)

@@ -69,7 +69,7 @@ def in_bfloat16(model):
 
 def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
     """Workload A's bfloat16 states with XLA's and with cuDNN's attention (GPU only)."""
-    from powerlens.dynamics.attention import check_fused_attention
+    from powerlens._src.dynamics.attention import check_fused_attention
     size = f"{B}x{n}"
     try:
         check_fused_attention(model.layers.layer(0), jnp.bfloat16)
@@ -92,8 +92,8 @@ def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
 def steering_problem(model, K, steps):
     """Workload E (the problem of benchmarks/steering.py and of vs_torch.py's workload E): the
     vmapped optimiser alone on the prepared problem, and the public API end to end."""
-    from powerlens.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
-    from powerlens.steering.rank1 import host_matrices
+    from powerlens._src.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens._src.steering.rank1 import host_matrices
     L = model.layers
     x0, valid = pl.embed(model, ["The cat sat quietly on the warm windowsill.",
                                  "Power iteration finds the dominant eigenvector of a matrix."])

@@ -4,7 +4,7 @@ For MiniLM (all-MiniLM-L6-v2, safetensors float32) and SmolLM2-135M-Instruct (Q4
 dequantised to float32 on load) this prints, each number from a fresh Python process so
 that nothing is cached or already allocated:
 
-    cold load     ``import powerlens.models`` + ``load(name)`` in a new process (what a user
+    cold load     ``import powerlens._src.models`` + ``load(name)`` in a new process (what a user
                   waits for; the OS file cache is whatever it is: the file was read before)
     load          ``load(name)`` alone in that new process (imports done first)
     warm load     a second ``load(name)`` in the same process
@@ -13,7 +13,7 @@ that nothing is cached or already allocated:
                   /proc/self/clear_refs, so the peak counts the load alone; as a ratio to
                   the checkpoint file size and, for the quantised GGUF, to the float32 bytes
                   of the parameters it becomes
-    spectra       ``powerlens.analysis.alignment.model_spectra(model)``: float64 eig + the
+    spectra       ``powerlens._src.analysis.alignment.model_spectra(model)``: float64 eig + the
                   principal subspaces of every unique layer's F_t (first call, and a second)
 
     python benchmarks/models.py [--models minilm smollm2] [--threads 1]
@@ -63,7 +63,7 @@ def _file_bytes(path: str) -> int:
 
 def child_timing(name: str) -> dict:
     t0 = time.perf_counter()
-    import powerlens.models as M
+    import powerlens._src.models as M
     t1 = time.perf_counter()
     model = M.load(name)
     t2 = time.perf_counter()
@@ -71,7 +71,7 @@ def child_timing(name: str) -> dict:
     t3 = time.perf_counter()
     model = M.load(name)
     t4 = time.perf_counter()
-    from powerlens.analysis.alignment import model_spectra
+    from powerlens._src.analysis.alignment import model_spectra
     t5 = time.perf_counter()
     spectra = model_spectra(model)
     t6 = time.perf_counter()
@@ -86,9 +86,9 @@ def child_memory(name: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import powerlens.models as M
-    from powerlens.models import families  # noqa: F401  (converters)
-    from powerlens.models import gguf_llama, reader  # noqa: F401  (GGUF and safetensors readers)
+    import powerlens._src.models as M
+    from powerlens._src.models import families  # noqa: F401  (converters)
+    from powerlens._src.models import gguf_llama, reader  # noqa: F401  (GGUF and safetensors readers)
     import gguf  # noqa: F401
     import safetensors.numpy  # noqa: F401
     jnp.zeros(8).block_until_ready()                    # start JAX's CPU client before the baseline

@@ -5,7 +5,7 @@ The checkpoint is random (normal x 0.02, rounded to bf16) with Llama-3-8B's publ
 32 layers, d 4096, 32 query heads over 8 key/value heads of 128, FFN 14336, vocabulary 128256,
 untied LM head; about 16 GB of bf16 safetensors in shards with a ``model.safetensors.index.json``.
 It is written once, streaming one tensor at a time in blocks (memory stays low), into
-``<powerlens cache>/bench/llama3-8b-random`` (``powerlens.io.cache_dir()``; never the
+``<powerlens cache>/bench/llama3-8b-random`` (``powerlens._src.io.cache_dir()``; never the
 repository), with a word-level ``tokenizer.json`` so that ``powerlens align`` takes text.
 
 Each measured command runs in its own subprocess; its peak RSS is the ``ru_maxrss`` of that
@@ -76,7 +76,7 @@ WHOLE = ("load", "trace", "generate")
 
 
 def bench_dir() -> str:
-    from powerlens import io
+    from powerlens._src import io
     return os.path.join(io.cache_dir(), "bench")
 
 
@@ -194,7 +194,7 @@ lg = np.asarray(pl.logits(m, states[-1]))                      # "float32[1 n V]
 tf = time.perf_counter() - t
 np.save(os.path.join(WORK, "states.npy"), states)
 np.save(os.path.join(WORK, "logits.npy"), lg)
-from powerlens.analysis.alignment import model_spectra
+from powerlens._src.analysis.alignment import model_spectra
 t = time.perf_counter(); tr = pl.trace(m, ids, rule="full", spectra=model_spectra(m)); tt = time.perf_counter() - t
 same = lambda a, b: float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
 print("RESULT", {"seconds_load": tl, "seconds_forward": tf, "seconds_trace": tt, "finite": bool(np.isfinite(lg).all()),
@@ -251,7 +251,7 @@ def result_of(out: str) -> dict:
 
 
 def available_gb() -> float:
-    from powerlens.models.reader import available_memory
+    from powerlens._src.models.reader import available_memory
     a = available_memory()
     return float("inf") if a is None else a / 2 ** 30
 

@@ -1,7 +1,7 @@
 """Benchmark: gradient steering, the token objective against torch, and the alignment objective
 vmapped against a Python loop.
 
-``--problem token`` (the default): ``objective="token"`` (powerlens.steering.token) on SmolLM2,
+``--problem token`` (the default): ``objective="token"`` (powerlens._src.steering.token) on SmolLM2,
 64 target tokens, 200 Adam steps, rank-1 ``lowrank`` edits dO = n0 P Q^T of the last layer's
 W_o, target probability 0.5 at each prompt's last token, mean control KL <= 0.5 nats, against
 the same problem in torch. Both sides start from the same point (powerlens's closed-form ray
@@ -18,10 +18,10 @@ start, :func:`start_point`) and run the same maths per Adam step, for all K targ
       and g_kl = mean KL - 0.5 (one multiplier each, updated every 10 steps),
     Adam (b1 0.9, b2 0.999, eps 1e-8), step size on a cosine decay from 3e-3 to 1.5e-4.
 
-powerlens: the library's own loop, :func:`~powerlens.steering.token.token_adam` (the loop of
-``solve_token_one``: :func:`~powerlens.steering.lagrangian.constrained_adam`, one ``lax.scan``
+powerlens: the library's own loop, :func:`~powerlens._src.steering.token.token_adam` (the loop of
+``solve_token_one``: :func:`~powerlens._src.steering.lagrangian.constrained_adam`, one ``lax.scan``
 over the steps), vmapped over the targets in one compiled program and sharded over the JAX
-devices (:func:`~powerlens.steering.optimize.map_targets`, as ``optimize_steering`` runs it).
+devices (:func:`~powerlens._src.steering.optimize.map_targets`, as ``optimize_steering`` runs it).
 torch: the K edits batched in every tensor, eager autograd, ``torch.optim.Adam`` with a
 ``LambdaLR`` equal to optax's cosine decay, no Python loop over the targets
 (:func:`torch_token_solve`).
@@ -43,7 +43,7 @@ call (compilation) apart; both frameworks on ``--threads`` CPU cores (torch
 ``--problem minilm|synthetic|alignment`` (the earlier workloads): the alignment objective's
 optax solve for 64 directions, one vmapped run against one call per direction:
 
-  solve only   the same pure ``solve_one`` (powerlens.steering.optimize), same optax steps,
+  solve only   the same pure ``solve_one`` (powerlens._src.steering.optimize), same optax steps,
                same prepared problem; one jit-compiled ``vmap`` over the directions vs one
                jit-compiled call per direction;
   public API   ``optimize_steering(layers, x0, D)`` once with all directions vs once per
@@ -105,10 +105,10 @@ import numpy as np  # noqa: E402
 import benchdoc  # noqa: E402
 
 import powerlens as pl  # noqa: E402
-from powerlens.dynamics import synthetic as S  # noqa: E402
-from powerlens.steering.optimize import (last_layer_terms, optimize_steering, prepare_problem,  # noqa: E402
+from powerlens._src.dynamics import synthetic as S  # noqa: E402
+from powerlens._src.steering.optimize import (last_layer_terms, optimize_steering, prepare_problem,  # noqa: E402
                                          solve_many_jit, solve_many_sharded, solve_one_jit)
-from powerlens.steering.rank1 import host_matrices  # noqa: E402
+from powerlens._src.steering.rank1 import host_matrices  # noqa: E402
 
 
 # =========================================================================== the token objective
@@ -130,8 +130,8 @@ def tiny_llama(seed: int = 0):
     """The ``--tiny`` model: a random two-layer Llama-like decoder (d 32, 4 query heads over 2
     key/value heads of 8, RoPE, RMSNorm, SiLU-gated MLP of 64, final RMSNorm, tied head of 64
     tokens), float32."""
-    from powerlens.dynamics.params import LayerConfig, make_layers
-    from powerlens.models.base import Model, ModelInfo
+    from powerlens._src.dynamics.params import LayerConfig, make_layers
+    from powerlens._src.models.base import Model, ModelInfo
     rng = np.random.default_rng(seed)
     U, d, H, G, e, f, vocab = 2, 32, 4, 2, 8, 64, 64
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-5,
@@ -149,14 +149,14 @@ def tiny_llama(seed: int = 0):
 
 
 def token_problem(model, prompts, controls):
-    """The prepared problem, exactly as :func:`~powerlens.steering.token.optimize_token` builds it
+    """The prepared problem, exactly as :func:`~powerlens._src.steering.token.optimize_token` builds it
     (last layer, ``lowrank``): the prompts and controls embedded and padded to one batch of M =
     B + C rows, the tokens X entering the last layer (M, n, d), valid, each row's last token, the
-    edit-independent states ``pre`` (:func:`~powerlens.steering.token.prepare_states`: the last
+    edit-independent states ``pre`` (:func:`~powerlens._src.steering.token.prepare_states`: the last
     layer's entering state and head mix at each row's last token), the controls' unedited log p
     (C, V); also x_all (the embeddings, for torch's own preparation)."""
-    from powerlens.models.embed import embed_ids, padded_ids, prompt_ids
-    from powerlens.steering.token import (_pad_to, control_batch, edited_final_states, entering, last_positions,
+    from powerlens._src.models.embed import embed_ids, padded_ids, prompt_ids
+    from powerlens._src.steering.token import (_pad_to, control_batch, edited_final_states, entering, last_positions,
                                           next_token_logp, prepare_states)
     layers = model.layers
     pid, pvalid = padded_ids(model, prompt_ids(model, list(prompts)))
@@ -184,8 +184,8 @@ def start_point(model, prob, ids, controls, steps: int):
     """powerlens's own start and first ``steps`` steps: ``pl.optimize_steering(objective="token")``
     (its closed-form ray start, the scale n0 and the choice of w) and the initial factors P, Q
     "(K, d, r)", "(K, H e, r)" that its solver builds from them (``initial_params``)."""
-    from powerlens.steering.optimize import initial_params
-    from powerlens.steering.rank1 import inverse_map
+    from powerlens._src.steering.optimize import initial_params
+    from powerlens._src.steering.rank1 import inverse_map
     c = TOKEN_CONFIG
     t = time.perf_counter()
     res = optimize_steering(model, prob["x0"], pl.TokenObjective(ids, c["target_prob"], c["max_kl"], controls),
@@ -211,14 +211,14 @@ def start_point(model, prob, ids, controls, steps: int):
 
 def powerlens_token_loop(model, prob, U, target_ids, log_targets, params0, n0, *, steps: int):
     """powerlens's Adam loop of the token objective for K targets from ``params0`` (P (K, d, r),
-    Q (K, H e, r)) and n0 (K,): the library's own :func:`~powerlens.steering.token.token_adam`
+    Q (K, H e, r)) and n0 (K,): the library's own :func:`~powerlens._src.steering.token.token_adam`
     (the loop inside ``solve_token_one``: constrained_adam over the token constraints, the final
     step at the last tokens, the head, the fused logsumexp), run through
-    :func:`~powerlens.steering.optimize.map_targets` as ``optimize_steering`` runs it: one
+    :func:`~powerlens._src.steering.optimize.map_targets` as ``optimize_steering`` runs it: one
     compiled program, vmapped over the targets, sharded over the devices. Returns
     constrained_adam's dict with a leading K axis."""
-    from powerlens.steering.optimize import map_targets
-    from powerlens.steering.token import token_adam
+    from powerlens._src.steering.optimize import map_targets
+    from powerlens._src.steering.token import token_adam
     c, l = TOKEN_CONFIG, prob["layer"]
     static = dict(layer=l, tail=(l,), n_prompts=prob["n_prompts"], param="lowrank", max_kl=c["max_kl"],
                   steps=int(steps), lr=c["lr"], mu=c["mu"], dual_every=c["dual_every"], tol=c["tol"],
@@ -229,7 +229,7 @@ def powerlens_token_loop(model, prob, U, target_ids, log_targets, params0, n0, *
 
 def rope_of(cfg, n: int):
     """The RoPE tables (cos, sin) "(n, e)" as powerlens forms them
-    (:func:`powerlens.dynamics.attention.apply_rope`: the frequencies in float32, as transformers
+    (:func:`powerlens._src.dynamics.attention.apply_rope`: the frequencies in float32, as transformers
     does, the cosines by XLA), for torch's last layer: both sides then rotate by the same
     numbers (the frameworks' float32 cosines can differ in the last bit, which the float64
     check would see)."""
@@ -428,8 +428,8 @@ def token_profile(model, prob, tp, fP, fQ, ids, log_t, repeats: int) -> dict:
     MLP), the final norm, head and constraints (the fused logsumexp) on its output, and the
     forward + backward of the summed constraint values through both."""
     import torch
-    from powerlens.steering.token import final_step, token_constraints
-    from powerlens.models.forward import logits
+    from powerlens._src.steering.token import final_step, token_constraints
+    from powerlens._src.models.forward import logits
     c, l, pre, B = TOKEN_CONFIG, prob["layer"], prob["pre"], prob["n_prompts"]
     lp, base = model.layers.layer(l), prob["base_logp"]
     jstep = lambda P, Q: jax.vmap(lambda p, q: final_step(lp, pre["x"], pre["mix"], (p, q)))(P, Q)
@@ -634,7 +634,7 @@ def alignment_problem(name, K, rng):
         c = S.sphere_tokens(rng, 1, d)[0]
         x0 = np.stack([S.cone_tokens(rng, 8, c, 0.4) for _ in range(4)])
         return layers, x0, np.ones(x0.shape[:2], bool), S.cone_tokens(rng, K, c, 0.9), "synthetic, d=16, 4 heads, 4x8 tokens"
-    from powerlens.models import embed, load
+    from powerlens._src.models import embed, load
     model = load("minilm")
     x0, valid = embed(model, ["The cat sat quietly on the warm windowsill.",
                               "Power iteration finds the dominant eigenvector of a matrix."])

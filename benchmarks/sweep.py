@@ -13,7 +13,7 @@ results.parquet written; no figures).
 2. all host devices of one process (``--xla_force_host_platform_device_count=N``, N = cores);
 3. 2 processes x 1 device (jax.distributed on 127.0.0.1, gloo collectives), each worker's XLA
    single-threaded as ``powerlens sweep --processes 2`` runs them on 2 cores
-   (:func:`powerlens.runtime.threads.worker_env`);
+   (:func:`powerlens._src.runtime.threads.worker_env`);
 4. the hand-tuned variant of benchmarks/simulate.py (one ``jit(shard_map(lax.map(vmap(simulate))))``
    call over the N host devices, chunks of 8, systems prebuilt on the host, not timed) on
    ``--kernel-systems`` systems of the same shapes, in the process of (2): systems per
@@ -47,7 +47,7 @@ def spec_of(args, systems: int) -> dict:
 
 
 def timed_sweep(spec, out, **kw):
-    from powerlens.sweeps.api import sweep
+    from powerlens._src.sweeps.api import sweep
     t0 = time.perf_counter()
     df = sweep(spec, out=out, progress=False, report_files=False, **kw)
     return time.perf_counter() - t0, df
@@ -55,14 +55,14 @@ def timed_sweep(spec, out, **kw):
 
 def worker(args) -> dict:
     """One variant, in this process (see the module docstring); prints one JSON line."""
-    from powerlens.runtime import distributed, threads
+    from powerlens._src.runtime import distributed, threads
     multi = distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout=120) \
         if args.coordinator else False
     if multi:
         threads.start_xla()                         # one XLA thread when worker_env asked (as `powerlens sweep`)
     import jax
-    from powerlens.sweeps.engine import Engine
-    from powerlens.sweeps.spec import load_spec
+    from powerlens._src.sweeps.engine import Engine
+    from powerlens._src.sweeps.spec import load_spec
     spec = load_spec(spec_of(args, args.systems))
     chunk = Engine(spec, None, progress=False).plan[0].size
     # the processes of one group share the folder the launcher made (every one writes its chunks there)
@@ -146,12 +146,12 @@ def _launch(args, extra, devices, n=1):
     if n == 1:
         procs = [subprocess.Popen(base, stdout=subprocess.PIPE, text=True, env=_env(devices))]
     else:
-        from powerlens.runtime.distributed import free_port
+        from powerlens._src.runtime.distributed import free_port
         addr = f"127.0.0.1:{free_port()}"
         shared = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.tmp)
         at = base.index("--tmp") + 1
         base = base[:at] + [shared] + base[at + 1:]
-        from powerlens.runtime.threads import worker_env
+        from powerlens._src.runtime.threads import worker_env
         env = worker_env(n)                         # what `powerlens sweep --processes n` gives its workers
         env.update({k: v for k, v in _env(devices).items() if k != "XLA_FLAGS"})
         env["XLA_FLAGS"] = (_env(devices)["XLA_FLAGS"] + " " + worker_env(n).get("XLA_FLAGS", "")).strip()

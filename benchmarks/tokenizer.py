@@ -20,11 +20,11 @@ import benchdoc  # noqa: E402
 
 OURS = r"""
 import json, time
-from powerlens.models.gguf_llama import GGUFFile
-from powerlens.models.load import resolve
+from powerlens._src.models.gguf_llama import GGUFFile
+from powerlens._src.models.load import resolve
 f = GGUFFile(resolve("smollm2"))                    # parsed once, for the weights anyway
 t0 = time.perf_counter()
-from powerlens.models.gguf_tokenizer import build_tokenizer, tokenizer_spec
+from powerlens._src.models.gguf_tokenizer import build_tokenizer, tokenizer_spec
 spec = tokenizer_spec(f)
 t1 = time.perf_counter()
 tok = build_tokenizer(spec)                          # includes importing transformers/tokenizers
@@ -36,7 +36,7 @@ print(json.dumps({"spec": t1 - t0, "first_build": t2 - t1, "build": t3 - t2}))
 
 THEIRS = r"""
 import json, os, time
-from powerlens.models.load import resolve
+from powerlens._src.models.load import resolve
 p = resolve("smollm2")
 t0 = time.perf_counter()
 from transformers import AutoTokenizer

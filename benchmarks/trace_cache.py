@@ -45,7 +45,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     import powerlens as pl
-    from powerlens.analysis.spectra import spectra_of
+    from powerlens._src.analysis.spectra import spectra_of
 
     with benchdoc.Capture() as printed:
         load0 = os.getloadavg()

@@ -676,8 +676,8 @@ def workload_e(model, K, steps, timing, report, check_steps=40):
       self_rel_*        float32 against float64 powerlens: the spread float32 itself causes, the
                         scale that the float32 differences above are to be read against;
     and closed_rel_max (the bisection for the closed form, not chaotic: float32 rounding, ~1e-6)."""
-    from powerlens.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
-    from powerlens.steering.rank1 import host_matrices
+    from powerlens._src.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens._src.steering.rank1 import host_matrices
     L = model.layers
     cfg = L.config
     c = e_config(steps)

@@ -20,31 +20,31 @@ import os
 import re
 import sys
 
-from .runtime.cache import compilation_cache as _compilation_cache       # light: neither imports JAX
-from .runtime.threads import limit_blas_threads as _limit_blas_threads
-from .commands.steer_limits import STEER_MAX_PROMPTS, STEER_MAX_STEPS  # noqa: F401  (imports nothing)
+from ._src.runtime.cache import compilation_cache as _compilation_cache       # light: neither imports JAX
+from ._src.runtime.threads import limit_blas_threads as _limit_blas_threads
+from ._src.commands.steer_limits import STEER_MAX_PROMPTS, STEER_MAX_STEPS  # noqa: F401  (imports nothing)
 
 # transformers announces at import that torch is missing; torch is never needed here (only
 # tokenizers are used), so the notice would alarm for nothing
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-MODEL_ALIASES = ("minilm", "smollm2", "gemma3")     # powerlens.models.load's ALIASES and ASSEMBLED (tests agree)
+MODEL_ALIASES = ("minilm", "smollm2", "gemma3")     # powerlens._src.models.load's ALIASES and ASSEMBLED (tests agree)
 MODEL_HELP = ("a model folder, a .gguf file, a hub id in the local Hugging Face cache, or an alias: "
               + ", ".join(MODEL_ALIASES))
 
-# The choices of the options, as the library names them (powerlens.dynamics.ATTENTION_MODES and
-# RULES, powerlens.analysis.ORDERS; the tests check that they agree). Written out here so that
+# The choices of the options, as the library names them (powerlens._src.dynamics.ATTENTION_MODES and
+# RULES, powerlens._src.analysis.ORDERS; the tests check that they agree). Written out here so that
 # building the parser, --help and every usage error import no numerical library.
 ATTENTION_MODES = ("softmax", "uniform", "identity")
 RULES = ("paper", "post_ln", "pre_ln", "full")
 ORDERS = ("shifted", "plain")
 
 # pl.load's storage dtypes and matmul precisions offered on the command line (a subset of
-# powerlens.models.reader.FLOAT_NAMES and powerlens.dynamics.params.PRECISIONS; the tests check it)
+# powerlens._src.models.reader.FLOAT_NAMES and powerlens._src.dynamics.params.PRECISIONS; the tests check it)
 DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("highest", "high", "default")
 
-SEED_LIMIT = 2 ** 31          # powerlens.dynamics.synthetic.SEED_LIMIT (a sweep row's int32 seed)
+SEED_LIMIT = 2 ** 31          # powerlens._src.dynamics.synthetic.SEED_LIMIT (a sweep row's int32 seed)
 STEER_DESCRIPTION = """\
 steer moves one layer of a model (or an explicit system) toward a direction u.
 
@@ -230,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress on stderr (sections, the workers' models and sections)")
     p.add_argument("--sections", nargs="*", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_reproduce)
-    from .commands.sweep import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702
+    from ._src.commands.sweep import add_sweep_parser; add_sweep_parser(sub)  # noqa: E702
     return parser
 
 
 def _simulate(args):
     if args.spectrum and args.steps is None:
         args.steps = 50
-    from .commands.simulate import cmd_simulate
+    from ._src.commands.simulate import cmd_simulate
     return cmd_simulate(args)
 
 
@@ -245,20 +245,20 @@ def _spectrum(args):
     if args.model and (args.weights or args.spectrum):
         raise ValueError("give either MODEL or --weights/--spectrum, not both")
     if args.model:
-        from .commands.models import cmd_spectrum_model
+        from ._src.commands.models import cmd_spectrum_model
         return cmd_spectrum_model(args)
     args.steps = None
     args.attention = None  # spectra need only W_v and W_o
-    from .commands.simulate import cmd_spectrum_weights
+    from ._src.commands.simulate import cmd_spectrum_weights
     return cmd_spectrum_weights(args)
 
 
 def _align(args):
-    from .runtime.figures import FigureProcess
+    from ._src.runtime.figures import FigureProcess
     # forked before JAX is imported: the child imports the drawing modules on the other core
     # while this process loads the model and computes, then draws the figures
-    with FigureProcess(["powerlens.analysis.alignment"]) as figures:
-        from .commands.models import cmd_align
+    with FigureProcess(["powerlens._src.analysis.alignment"]) as figures:
+        from ._src.commands.models import cmd_align
         return cmd_align(args, figures=figures)
 
 
@@ -284,8 +284,8 @@ def _positive(args, *flags: str, what: str = "a positive integer") -> None:
 def check_model_name(name, allow_download: bool = False) -> None:
     """MODEL, refused at once when it is certainly unknown: not an alias, not a path, and (a hub
     id) not in the local Hugging Face cache unless --allow-download (what
-    :func:`powerlens.models.load.resolve` finds, looked up without loading it)."""
-    from .io import hub_cache_path
+    :func:`powerlens._src.models.load.resolve` finds, looked up without loading it)."""
+    from ._src.io import hub_cache_path
     if name is None or name in MODEL_ALIASES or os.path.exists(name):
         return
     if ("/" in name or not name.endswith(".gguf")) and (allow_download or hub_cache_path(name) is not None):
@@ -333,8 +333,8 @@ def check_options(args) -> None:
         if d.endswith(".npy"):
             _file("--direction", d)
     if cmd == "sweep":
-        from .io import read_toml
-        from .runtime.distributed import check_init_timeout
+        from ._src.io import read_toml
+        from ._src.runtime.distributed import check_init_timeout
         _positive(args, "--processes", "--num-processes")
         check_init_timeout(args.init_timeout)
         read_toml(args.spec)
@@ -395,18 +395,18 @@ def check_steer_options(args) -> None:
 def _steer(args):
     check_steer_options(args)
     if args.apply is not None:
-        from .commands.steer import cmd_steer_apply
+        from ._src.commands.steer import cmd_steer_apply
         return cmd_steer_apply(args)
     if args.objective == "token":
-        from .commands.steer_token import cmd_steer_token
+        from ._src.commands.steer_token import cmd_steer_token
         return cmd_steer_token(args)
-    from .commands.steer import cmd_steer
+    from ._src.commands.steer import cmd_steer
     return cmd_steer(args)
 
 
 def _reproduce(args):
-    from .reproduce import cmd_reproduce
-    from .runtime.threads import single_threaded_main
+    from ._src.reproduce import cmd_reproduce
+    from ._src.runtime.threads import single_threaded_main
     user_env = dict(os.environ)        # what the workers start from, not this process's one thread
     single_threaded_main(os.environ)   # this process's XLA on one thread (False where JAX had started already)
     return cmd_reproduce(args, worker_base_env=user_env)
@@ -453,7 +453,7 @@ def main(argv=None) -> int:
     try:
         check_options(args)                     # before any numerical library is imported
         if args.command in ("simulate", "spectrum", "align", "steer"):     # a refused folder costs no compute
-            from .io import decide_folder
+            from ._src.io import decide_folder
             decide_folder(args.out, command=args.command)
         if getattr(args, "x64", False):
             import jax
@@ -463,7 +463,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as exc:            # Ctrl-C; SIGTERM or SIGHUP while workers run (runtime.workers)
         kept = "finished chunks are kept" if args.command in ("reproduce", "sweep") else "nothing was written"
         print(f"powerlens {args.command}: interrupted; {kept}", file=sys.stderr)
-        from .runtime.workers import exit_status
+        from ._src.runtime.workers import exit_status
         return exit_status(exc)
     except Exception as exc:                    # every failure is one line, exit 2 (--debug: the traceback)
         if debug:

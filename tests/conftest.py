@@ -25,7 +25,7 @@ if not os.environ.get(_OWNER) or os.environ.get(_OWNER) != os.environ.get("JAX_C
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_OWNER] = _folder = _tempfile.mkdtemp(
         prefix="powerlens-test-xla-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    from powerlens.runtime.cache import MAX_BYTES as _MAX_BYTES     # light: imports no JAX
+    from powerlens._src.runtime.cache import MAX_BYTES as _MAX_BYTES     # light: imports no JAX
     os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_MAX_BYTES)  # with a size, JAX locks the folder
     _atexit.register(_shutil.rmtree, _folder, ignore_errors=True)   # by the process that made it
     os.environ[_FAULTS] = _tempfile.mkdtemp(prefix="powerlens-test-faults-")

@@ -113,7 +113,7 @@ def bert_with_minilm_tokenizer(folder, seed: int = 0):
     """A tiny random BERT folder (``build("bert")``) with the real MiniLM tokenizer files, so
     that text prompts tokenize as they do for ``minilm``; returns the folder."""
     import shutil
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     build("bert", folder, seed=seed, vocab_size=30522)
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(os.path.join(resolve("minilm"), name), os.path.join(folder, name))

@@ -269,7 +269,7 @@ def write_gguf(path, model, arch: str, *, permute: bool, names=None, norm_shift:
 def states(model, ids, mask):
     """powerlens's hidden states "float64[K+1 B n d]" of token ids (B, n) with mask (B, n), in
     transformers' convention (``HiddenStates.hf``: the last one normed where HF norms it)."""
-    from powerlens.models import embed_ids, hidden_states
+    from powerlens._src.models import embed_ids, hidden_states
     x0, valid = embed_ids(model, ids, mask.astype(bool))
     return np.asarray(hidden_states(model, x0, valid).hf, np.float64)
 
@@ -277,7 +277,7 @@ def states(model, ids, mask):
 def model_logits(model, ids, mask):
     """powerlens's logits "float64[B n V]" of token ids (B, n), by the obvious call
     ``logits(model, hidden_states(model, x0, valid)[-1])``."""
-    from powerlens.models import embed_ids, hidden_states, logits
+    from powerlens._src.models import embed_ids, hidden_states, logits
     x0, valid = embed_ids(model, ids, mask.astype(bool))
     return np.asarray(logits(model, hidden_states(model, x0, valid)[-1]), np.float64)
 
@@ -296,7 +296,7 @@ def case_fixture(configs: dict, seed: int):
     model built in a folder, and powerlens's model loaded from it."""
     import pytest
 
-    from powerlens.models import load
+    from powerlens._src.models import load
 
     @pytest.fixture(scope="module", params=sorted(configs))
     def case(request, tmp_path_factory):
@@ -323,7 +323,7 @@ def edited_copy(src, tmp_path, edit, name="variant"):
 def check_gguf_model(model, hf, tol: float):
     """A model read from a tiny GGUF file against the HF model it was written from: every hidden
     state and the logits on right- and left-padded batches, and F_t = W_o V against the torch weights."""
-    from powerlens.dynamics.params import layer_matrices
+    from powerlens._src.dynamics.params import layer_matrices
     for left in (False, True):
         ids, mask = batch(left=left)
         hs, errs = state_errors(model, hf, ids, mask)

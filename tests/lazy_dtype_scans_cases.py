@@ -6,7 +6,7 @@ every layer out of the loop: a float32 copy of the whole stack, held while the s
 Counted here from the compiled programs' temporary buffers (``memory_analysis``), with 8
 layers so that one layer is an eighth of the stack: the prefill (``generate``'s first
 program), the decoding loop (its second) and steering's differentiated tail of layers
-(:func:`powerlens.steering.alpha.run_tail`, forward) each stay under a quarter of one
+(:func:`powerlens._src.steering.alpha.run_tail`, forward) each stay under a quarter of one
 float32 copy of the stack; the LM head (cast a block of rows at a time) and the decoding loop's
 embedding lookup (the table carried behind a barrier) under a quarter of one float32 head;
 ``pl.trace`` builds no (in, out) copies of the layers when they are cast per step. The barrier changes no number: bf16 storage gives exactly the
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import powerlens as pl
-from powerlens.models import generate as gen
-from powerlens.models import kv_cache
+from powerlens._src.models import generate as gen
+from powerlens._src.models import kv_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import scale  # noqa: E402
@@ -104,7 +104,7 @@ def test_the_head_and_the_decoding_loop_upcast_no_whole_table(big_vocab):
     """The LM head is cast a block of rows at a time (``forward._head``), and the decoding loop
     reads one row of the word embeddings per step without a float32 copy of the table hoisted
     out of the loop: each program's temporaries stay under a quarter of one float32 head."""
-    from powerlens.models import forward
+    from powerlens._src.models import forward
     m = pl.load(big_vocab)
     W = m.lm_head
     head_f32 = 4 * int(W.size)
@@ -137,8 +137,8 @@ def test_the_barrier_changes_no_number(folder):
         pos = jnp.arange(X.shape[0])
 
         def plain(X, u, bi=bi, pos=pos):
-            from powerlens.dynamics.attention import softmax_mix, softmax_qkv
-            from powerlens.dynamics.layer import full_attention_input, full_block, head_output
+            from powerlens._src.dynamics.attention import softmax_mix, softmax_qkv
+            from powerlens._src.dynamics.layer import full_attention_input, full_block, head_output
             lp = f.layers.layer(u)
             q, k, v = softmax_qkv(lp, full_attention_input(lp, X), pos, None)
             M = softmax_mix(lp, q, k, v, valid[bi])
@@ -153,9 +153,9 @@ def test_the_barrier_changes_no_number(folder):
 
 
 def test_steering_tail_upcasts_one_layer_at_a_time(folder):
-    """The tail of layers the steering optimiser runs (:func:`~powerlens.steering.alpha.run_tail`
+    """The tail of layers the steering optimiser runs (:func:`~powerlens._src.steering.alpha.run_tail`
     over every layer: the first one edited), rules paper and full."""
-    from powerlens.steering.alpha import run_tail
+    from powerlens._src.steering.alpha import run_tail
     m = pl.load(folder)
     L = m.layers
     x0, valid = pl.embed(m, PROMPTS)
@@ -172,7 +172,7 @@ def test_trace_of_a_bf16_model_builds_no_float32_copies(folder, monkeypatch):
     """``pl.trace`` of weights held in bf16 casts a layer per step as ``run_states`` does, and
     builds no prepared (in, out) copies of every layer's attention (float32: 5 GB at
     Llama-3-8B's shape); its states are those of the float32-stored model of the same values."""
-    from powerlens.analysis import trace as trace_module
+    from powerlens._src.analysis import trace as trace_module
     built = []
     real = trace_module.prepared_projections
     monkeypatch.setattr(trace_module, "prepared_projections",

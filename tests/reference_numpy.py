@@ -1,6 +1,6 @@
 """A plain NumPy reference of one prompt's token dynamics and its measures.
 
-The test oracle of ``powerlens.dynamics`` (it lives under ``tests/``, not in the library).
+The test oracle of ``powerlens._src.dynamics`` (it lives under ``tests/``, not in the library).
 Written independently of the JAX path (explicit loops over heads, queries and keys,
 clarity first); :func:`simulate_fast` is the same maths vectorised within a step, itself
 checked against the loops. It imports nothing from powerlens. Everything is float64
@@ -39,7 +39,7 @@ _LAYER_FIELDS = ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o", "norm_s
 
 
 def layer_dicts(layers, dtype=np.float64) -> List[Dict[str, np.ndarray]]:
-    """Convert a :class:`~powerlens.dynamics.params.Layers` into one dict per unique layer."""
+    """Convert a :class:`~powerlens._src.dynamics.params.Layers` into one dict per unique layer."""
     out = []
     for u in range(layers.n_unique):
         p = {}
@@ -422,7 +422,7 @@ def simulate(params: Sequence[dict], schedule: Sequence[int], x0, basis, dims, *
              rule: str = "paper", attention: str = "softmax", keep_bias=None, causal: bool = False,
              norm: str = "l2", norm_eps: float = 1e-5, rope_theta=None, rope_dim=None,
              save_states: bool = False) -> dict:
-    """Run the schedule from x0 (n, d) and measure as ``powerlens.dynamics.simulate`` does.
+    """Run the schedule from x0 (n, d) and measure as ``powerlens._src.dynamics.simulate`` does.
 
     basis (U, m, d, k) and dims (U, m) are the reference subspaces of every unique layer.
     Returns a dict of arrays: gamma, gamma_before, rho (T, m); rho_margin (T, m), the

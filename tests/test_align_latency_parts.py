@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from powerlens.analysis import spectra as S
-from powerlens.dynamics.params import LayerConfig, layer_factors, layer_matrices, make_layers
-from powerlens.models.base import Model, ModelInfo
+from powerlens._src.analysis import spectra as S
+from powerlens._src.dynamics.params import LayerConfig, layer_factors, layer_matrices, make_layers
+from powerlens._src.models.base import Model, ModelInfo
 
 # sizes no other test uses, so that nothing is found in JAX's in-memory caches by chance
 D, H, E, L, VOCAB, P = 10, 2, 5, 3, 11, 16
@@ -78,7 +78,7 @@ def test_loading_minilm_makes_no_program():
     """Reading a checkpoint places its arrays on the device and fills in the default softmax
     scales 1/sqrt(e) and windows 0 on the host: no program (before: four, for jnp.full and
     jnp.zeros), the same values."""
-    from powerlens.models import load
+    from powerlens._src.models import load
     with programs() as made:
         model = load("minilm", parts="attention")
     assert made == []
@@ -128,7 +128,7 @@ def test_reference_subspaces_go_to_the_device_without_a_program():
 def test_embed_is_one_program_and_its_mask_a_copy():
     """x0 comes from ``embed_arrays`` alone (before: and a copy program for the mask); the mask
     returned is a copy, not a view of the caller's array."""
-    from powerlens.models.embed import embed_ids
+    from powerlens._src.models.embed import embed_ids
     model = tiny_encoder()
     ids = np.asarray(PROMPT, np.int32)
     valid = np.ones(ids.shape, bool)
@@ -147,8 +147,8 @@ def test_embed_is_one_program_and_its_mask_a_copy():
 def test_a_one_prompt_align_makes_only_its_own_programs():
     """After loading, a one-prompt align (the host matrices, the spectra, x0, both orderings)
     makes five programs, each once: none for an eager op, none again for the second ordering."""
-    from powerlens.analysis.alignment import align_model
-    from powerlens.models.embed import embed
+    from powerlens._src.analysis.alignment import align_model
+    from powerlens._src.models.embed import embed
     model = tiny_encoder(seed=1)
     with programs() as made:
         F, factors = S.host_layer_matrices(model.layers)
@@ -164,7 +164,7 @@ _NO_EXTRA_IMPORTS = """
 import sys, tempfile
 sys.path.insert(0, {tests!r})
 from test_align_latency_parts import PROMPT, tiny_encoder
-from powerlens.analysis.alignment import align_model
+from powerlens._src.analysis.alignment import align_model
 result = align_model(tiny_encoder(), PROMPT, progress=True)
 result.plot(tempfile.mkdtemp(), title="tiny")
 print("tqdm.auto" in sys.modules, "matplotlib.pyplot" in sys.modules)

@@ -154,7 +154,7 @@ def test_top_tokens_names_bad_input(tiny, what, needle):
 
 
 def test_smollm2_obvious_call_decode_and_top_tokens(smol):
-    from powerlens.steering.effects import next_token_stats
+    from powerlens._src.steering.effects import next_token_stats
     x0, valid = pl.embed(smol, [TEXTS[0]])
     hs = pl.hidden_states(smol, x0, valid)
     lg = pl.logits(smol, hs[-1])
@@ -276,7 +276,7 @@ def _ticks(ax):
 
 
 def test_align_numbers_layers_from_0_in_json_and_figure(tiny, tmp_path):
-    from powerlens.analysis.experiment import StepMeasures, plot_measures
+    from powerlens._src.analysis.experiment import StepMeasures, plot_measures
     from powerlens.cli import main
     out = tmp_path / "align"
     assert main(["align", tiny["folder"], "--text", TEXTS[0], "--text", TEXTS[1], "--quiet", "--out", str(out)]) == 0
@@ -298,8 +298,8 @@ def test_align_numbers_layers_from_0_in_json_and_figure(tiny, tmp_path):
 
 
 def test_gemma3_global_layers_are_shaded_at_5_11_17(tmp_path):
-    from powerlens.analysis.experiment import StepMeasures, plot_measures
-    from powerlens.reproduce.real_models import global_layers
+    from powerlens._src.analysis.experiment import StepMeasures, plot_measures
+    from powerlens._src.reproduce.real_models import global_layers
     kinds = (["local"] * 5 + ["global"]) * 3                                  # Gemma 3 270M's 18 layers
     assert global_layers(kinds) == [5, 11, 17]
     T1 = 19

@@ -5,13 +5,13 @@
 import numpy as np
 import pytest
 
-from powerlens.analysis import measures as M
-from powerlens.analysis.spectra import check_order, layer_spectra, reference_subspaces
-from powerlens.dynamics.attention import check_attention
-from powerlens.dynamics.layer import check_rule, layer_step
-from powerlens.dynamics.params import LayerConfig, check_steps, make_layers
-from powerlens.dynamics.simulate import check_tokens, simulate_batch
-from powerlens.dynamics.synthetic import parse_spectrum, spectrum_matrix, synthetic_system
+from powerlens._src.analysis import measures as M
+from powerlens._src.analysis.spectra import check_order, layer_spectra, reference_subspaces
+from powerlens._src.dynamics.attention import check_attention
+from powerlens._src.dynamics.layer import check_rule, layer_step
+from powerlens._src.dynamics.params import LayerConfig, check_steps, make_layers
+from powerlens._src.dynamics.simulate import check_tokens, simulate_batch
+from powerlens._src.dynamics.synthetic import parse_spectrum, spectrum_matrix, synthetic_system
 
 U, H, E, D = 1, 2, 3, 6
 
@@ -27,7 +27,7 @@ def _ok(**over):
 @pytest.fixture(scope="module")
 def system():
     layers = synthetic_system([2.0, 0.5, -0.3], d=D, heads=H, steps=3)
-    from powerlens.dynamics.params import layer_matrices
+    from powerlens._src.dynamics.params import layer_matrices
     sub = reference_subspaces(layer_spectra(np.asarray(layer_matrices(layers))))
     return layers, sub
 

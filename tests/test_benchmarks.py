@@ -66,7 +66,7 @@ def test_paper_flops_counts_the_four_matmuls():
     (6 layers of 12 heads of 32, d = 384) 8.46 GFLOP; SmolLM2 (30 layers, d = 576, 9 query
     heads over 3 key/value heads of 64) 63.4 GFLOP."""
     import vs_torch
-    from powerlens.dynamics.params import LayerConfig
+    from powerlens._src.dynamics.params import LayerConfig
     minilm = LayerConfig(d_model=384, n_heads=12, d_head=32)
     qkv, scores_and_mix, out = 2 * 128 * 384 * 1152, 2 * 2 * 12 * 128 * 128 * 32, 2 * 128 * 384 * 384
     assert vs_torch.paper_flops(minilm, 6, 8, 128) == 6 * 8 * (qkv + scores_and_mix + out) == 8_455_716_864
@@ -243,7 +243,7 @@ def test_gpu_script_fused_attention_entries(monkeypatch):
 
     import gpu
     import powerlens as pl
-    from powerlens.dynamics import attention
+    from powerlens._src.dynamics import attention
     monkeypatch.setattr(attention, "check_fused_attention", lambda lp, dtype: None)
     monkeypatch.setattr(attention, "fused_attention_mix",
                         functools.partial(attention.fused_attention_mix, implementation="xla"))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from powerlens.dynamics.blocked import blocked_attention_mix
+from powerlens._src.dynamics.blocked import blocked_attention_mix
 
 
 def dense(q, k, v, valid, scale, causal, window, cap):
@@ -67,7 +67,7 @@ def test_query_blocks_equal_dense(n, block, unrolled, causal, window, cap, monke
     """The default path of long prompts: queries by blocks (a causal block reading only the keys
     up to its last query; unrolled, or mapped over the blocks beyond MAX_UNROLLED) gives the
     textbook masked softmax, padding keys, windows and soft-capping included."""
-    from powerlens.dynamics import attention
+    from powerlens._src.dynamics import attention
     if not unrolled:
         monkeypatch.setattr(attention, "MAX_UNROLLED", 1)
     q, k, v, valid = case(n, seed=n * 11 + block)
@@ -84,7 +84,7 @@ def test_grouped_query_heads_read_their_shared_keys(n, block, causal, window):
     """Grouped-query attention (6 query heads over 2 key/value heads): the keys and values are
     not repeated, yet query head h attends with key/value head h // 3, as transformers'
     ``repeat_kv`` has it; checked against the textbook formula on repeated keys."""
-    from powerlens.dynamics import attention
+    from powerlens._src.dynamics import attention
     q, _, _, valid = case(n, seed=n * 13 + block, H=6)
     _, k, v, _ = case(n, seed=n * 17 + block, H=2)
     head = lambda a: jnp.swapaxes(jnp.asarray(a), 0, 1)
@@ -127,7 +127,7 @@ def _windowed_system(causal, *, e, seed):
     """(3 random layers of 4 query heads over 2 key/value heads of e dims, d = 16, windows 0,
     3 and 5, RoPE when causal; x0 "float[2 11 16]", valid, the second prompt padded after 7
     tokens)."""
-    from powerlens.dynamics.params import LayerConfig, make_layers
+    from powerlens._src.dynamics.params import LayerConfig, make_layers
     rng = np.random.default_rng(seed)
     U, H, G, d, n = 3, 4, 2, 16, 11
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, causal=causal, norm="l2",
@@ -142,7 +142,7 @@ def _windowed_system(causal, *, e, seed):
 
 
 def test_attention_block_must_be_a_size():
-    from powerlens.dynamics.options import Dynamics
+    from powerlens._src.dynamics.options import Dynamics
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="Dynamics.attention_block"):
             Dynamics(attention_block=bad)
@@ -155,7 +155,7 @@ def test_fused_call_equals_dense(n, causal, window, groups):
     """``attention_block="cudnn"``'s one ``jax.nn.dot_product_attention`` call, made here through
     XLA (cuDNN needs a GPU): the additive mask (causal, window, padding keys), the pre-scaled
     queries and the grouped key/value heads give the textbook masked softmax."""
-    from powerlens.dynamics import attention
+    from powerlens._src.dynamics import attention
     q, _, _, valid = case(n, seed=n * 19 + groups, H=6)
     _, k, v, _ = case(n, seed=n * 23 + groups, H=6 // groups)
     got = attention.fused_attention_mix(_Lp(causal, window, None), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
@@ -171,7 +171,7 @@ def test_run_through_the_fused_call_gives_the_same_states(monkeypatch):
     of the default path. On this CPU the setting itself is refused, in one line."""
     import functools
     import powerlens as pl
-    from powerlens.dynamics import attention
+    from powerlens._src.dynamics import attention
     layers, x0, valid = _windowed_system(True, e=8, seed=2)
     fused = pl.Dynamics(attention_block="cudnn")
     if jax.default_backend() != "gpu":
@@ -190,8 +190,8 @@ def test_fused_attention_names_what_it_lacks():
     """Where cuDNN's attention cannot run, one line says why: no GPU, a float32 system, a
     soft-capped layer, a head dim it has no kernel for. Any other string is not a setting."""
     import types
-    from powerlens.dynamics.attention import check_fused_attention
-    from powerlens.dynamics.options import Dynamics
+    from powerlens._src.dynamics.attention import check_fused_attention
+    from powerlens._src.dynamics.options import Dynamics
     lp = lambda cap=None, e=64: types.SimpleNamespace(config=types.SimpleNamespace(attn_softcap=cap, d_head=e))
     check_fused_attention(lp(), jnp.bfloat16, backend="gpu")                  # applies: nothing raised
     check_fused_attention(lp(), jnp.float16, backend="gpu")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from powerlens.cli import build_parser, main
-from powerlens.models.npz import load_weights_npz, save_weights_npz
-from powerlens.dynamics.synthetic import synthetic_system
+from powerlens._src.models.npz import load_weights_npz, save_weights_npz
+from powerlens._src.dynamics.synthetic import synthetic_system
 
 
 def run(argv, capsys):
@@ -37,7 +37,7 @@ def test_simulate_writes_documented_files(uniform_run):
     files = set(os.listdir(uniform_run))
     assert {"metrics.json", "metrics.csv", "states.npy", "eigenvalues.png", "alignment.png", "consensus.png",
             "trajectories.png"} <= files
-    from powerlens.io import MARKER
+    from powerlens._src.io import MARKER
     assert MARKER in files                                   # marks the folder as powerlens's own
     assert not any(f.startswith(".") for f in files - {MARKER})   # no temporary file left behind
     m = read_metrics(uniform_run)

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from powerlens.cli import main
-from powerlens.dynamics.norms import l2_normalize
+from powerlens._src.dynamics.norms import l2_normalize
 
 TEXTS = ["The cat sat on the mat.", "Power iteration finds the top eigenvector."]
 
@@ -27,8 +27,8 @@ def paper_run(tmp_path_factory):
 def test_align_json_numbers(paper_run):
     doc, out = paper_run
     assert doc["rule"] == "paper" and doc["n_prompts"] == 2
-    from powerlens.models import load
-    from powerlens.models.embed import tokenize
+    from powerlens._src.models import load
+    from powerlens._src.models.embed import tokenize
     n_tok = sum(len(ids) for ids in tokenize(load("minilm"), TEXTS))
     assert doc["n_tokens"] == n_tok
     for order in ("shifted", "plain"):
@@ -51,9 +51,9 @@ def test_align_json_numbers(paper_run):
 def test_first_layer_gamma_matches_direct_computation(paper_run):
     """gamma_1 recomputed by hand: one paper step of layer 0, then ||B^T x|| / ||x||."""
     import jax.numpy as jnp
-    from powerlens.analysis.alignment import model_spectra
-    from powerlens.dynamics.layer import layer_step
-    from powerlens.models import embed, load
+    from powerlens._src.analysis.alignment import model_spectra
+    from powerlens._src.dynamics.layer import layer_step
+    from powerlens._src.models import embed, load
     doc, _ = paper_run
     model = load("minilm")
     x0, valid = embed(model, TEXTS)

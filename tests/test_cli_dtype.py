@@ -95,7 +95,7 @@ def test_load_options_reach_pl_load(ckpt, tmp_path):
 
     import powerlens as pl
     from powerlens.cli import main
-    from powerlens.commands.models import load_options
+    from powerlens._src.commands.models import load_options
     folder, _ = ckpt
     for dtype, want in ((None, jnp.float32), ("bfloat16", jnp.bfloat16), ("float16", jnp.float16)):
         args = argparse.Namespace(dtype=dtype, precision=None)
@@ -164,6 +164,6 @@ def test_bad_values_are_one_line_exit_2_before_jax(ckpt, tmp_path, argv):
 
 def test_cli_choices_are_the_librarys():
     from powerlens.cli import DTYPES, PRECISIONS
-    from powerlens.dynamics.params import PRECISIONS as LIB_PRECISIONS
-    from powerlens.models.reader import FLOAT_NAMES
+    from powerlens._src.dynamics.params import PRECISIONS as LIB_PRECISIONS
+    from powerlens._src.models.reader import FLOAT_NAMES
     assert set(DTYPES) <= set(FLOAT_NAMES) and set(PRECISIONS) <= set(LIB_PRECISIONS)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.dynamics.synthetic import synthetic_system
+from powerlens._src.dynamics.synthetic import synthetic_system
 
 
 @pytest.fixture(scope="module")

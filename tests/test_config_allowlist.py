@@ -1,4 +1,4 @@
-"""Every converter checks config.json against an allow-list (powerlens.models.convert.check_config).
+"""Every converter checks config.json against an allow-list (powerlens._src.models.convert.check_config).
 
 For each family a tiny random Hugging Face model is saved with ``save_pretrained``:
 
@@ -25,9 +25,9 @@ pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
 import hf_tiny_decoders  # noqa: E402
-from powerlens.models import CheckpointError, load  # noqa: E402
-from powerlens.models.bert import ENCODER_HANDLED, ENCODER_NEUTRAL, ENCODER_ONLY  # noqa: E402
-from powerlens.models.convert import check_config  # noqa: E402
+from powerlens._src.models import CheckpointError, load  # noqa: E402
+from powerlens._src.models.bert import ENCODER_HANDLED, ENCODER_NEUTRAL, ENCODER_ONLY  # noqa: E402
+from powerlens._src.models.convert import check_config  # noqa: E402
 
 ENCODERS = ("bert", "roberta", "distilbert", "albert")
 DECODERS = ("gpt2", "gpt_neo", "llama")

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import powerlens as pl
-from powerlens.dynamics.options import Dynamics
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.models.base import Model, ModelInfo
+from powerlens._src.dynamics.options import Dynamics
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.models.base import Model, ModelInfo
 
 U, H, G, E, D, N = 2, 4, 2, 3, 8, 7       # 4 query heads over 2 key/value heads
 SCALE = np.array([0.7, 0.4])
@@ -137,7 +137,7 @@ def tiny_decoder(family: str = "llama", seed: int = 0) -> Model:
 def test_the_model_forward_is_the_same_by_key_blocks():
     model = tiny_decoder()
     ids = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
-    from powerlens.models.embed import pad_ids
+    from powerlens._src.models.embed import pad_ids
     x, valid = pl.embed_ids(model, *pad_ids(ids, 0))
     dense = np.asarray(pl.run_states(model, x, valid))
     blocked = np.asarray(pl.run_states(model, x, valid, dynamics=Dynamics.full(attention_block=2)))
@@ -181,7 +181,7 @@ def test_every_entry_point_hands_the_setting_to_the_attention():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_an_edit_file_records_the_models_family(tmp_path, family):
-    from powerlens.steering.edit_file import load_edit, make_edit, save_edit
+    from powerlens._src.steering.edit_file import load_edit, make_edit, save_edit
     model = tiny_decoder(family)
     delta = np.random.default_rng(3).standard_normal((D, H * E)).astype(np.float32) / 10
     path = save_edit(str(tmp_path / "e.npz"), make_edit(model, "delta_O", 1, delta_O=delta))
@@ -195,7 +195,7 @@ def test_an_edit_file_records_the_models_family(tmp_path, family):
 def test_checkpoint_delta_takes_the_family_from_the_caller():
     """The layers alone do not know their family: ``Rank1Result.checkpoint_delta`` needs it, and
     gives GPT-2's Conv1D layout (ΔO^T) for a gpt2 model, ΔO itself for a Linear one."""
-    from powerlens.steering.rank1 import rank1
+    from powerlens._src.steering.rank1 import rank1
     model = tiny_decoder("gpt2")
     res = rank1(model.layers, np.eye(D)[0], alpha=0.5, w="value", spectrum=False)
     with pytest.raises(TypeError):

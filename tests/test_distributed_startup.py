@@ -18,7 +18,7 @@ import time
 import pytest
 
 from powerlens.cli import main
-from powerlens.runtime import distributed
+from powerlens._src.runtime import distributed
 
 pytestmark = pytest.mark.slow
 

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from powerlens.analysis import measures as M
-from powerlens.dynamics import measures as DM
-from powerlens.analysis.spectra import layer_spectra, reference_subspaces
-from powerlens.dynamics.layer import layer_step
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.dynamics.simulate import pooled, simulate_batch, simulate_jit
-from powerlens.dynamics.linalg import haar
-from powerlens.dynamics.synthetic import cone_tokens, sphere_tokens, synthetic_system
+from powerlens._src.analysis import measures as M
+from powerlens._src.dynamics import measures as DM
+from powerlens._src.analysis.spectra import layer_spectra, reference_subspaces
+from powerlens._src.dynamics.layer import layer_step
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.dynamics.simulate import pooled, simulate_batch, simulate_jit
+from powerlens._src.dynamics.linalg import haar
+from powerlens._src.dynamics.synthetic import cone_tokens, sphere_tokens, synthetic_system
 
 
 pytestmark = pytest.mark.usefixtures("x64")   # float64 for this module only (tests/conftest.py)
@@ -108,7 +108,7 @@ def test_complex_pair_rotation(kind, measure_after):
     measuring all 201 states after the scan (``measure_after``).
     """
     lam = 0.5 + 1.2j
-    from powerlens.dynamics.synthetic import spectrum_matrix
+    from powerlens._src.dynamics.synthetic import spectrum_matrix
     F = spectrum_matrix([lam, 0.3, -0.2, 0.1, 0.25], kind=kind, d=6, seed=3, nonnormality=0.5)
     rng = np.random.default_rng(4)
     traj, _, sub = _run(F, sphere_tokens(rng, 5, 6), 200, measure_after=measure_after)
@@ -248,8 +248,8 @@ def test_factored_spectra_match_the_full_eig(eigs):
 def test_layer_factors_of_grouped_query_attention():
     """W_o summed over the query heads of each key/value head, times W_v of the G heads, is
     F = W_o V_cat with V repeated over the groups (H = 6 query heads on G = 2)."""
-    from powerlens.analysis.spectra import spectra_of
-    from powerlens.dynamics.params import layer_factors, layer_matrices
+    from powerlens._src.analysis.spectra import spectra_of
+    from powerlens._src.dynamics.params import layer_factors, layer_matrices
     rng = np.random.default_rng(12)
     U, H, G, e, d = 2, 6, 2, 3, 16
     cfg = LayerConfig(d_model=d, n_heads=H, n_kv_heads=G, d_head=e, norm="l2")

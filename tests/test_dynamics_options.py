@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import powerlens as pl
-from powerlens.dynamics.options import RULE_CHOICES, Dynamics, as_dynamics
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.models.base import Model, ModelInfo
+from powerlens._src.dynamics.options import RULE_CHOICES, Dynamics, as_dynamics
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.models.base import Model, ModelInfo
 
 D, H, E, F, VOCAB = 6, 2, 3, 5, 7
 OURS = r".*deprecated; pass dynamics="          # the shim's warning, and no other
@@ -192,7 +192,7 @@ def test_each_entry_point_keeps_its_default(system):
 
 
 def _padded(ids):
-    from powerlens.models.embed import pad_ids
+    from powerlens._src.models.embed import pad_ids
     return pad_ids(ids, 0)
 
 
@@ -207,7 +207,7 @@ def ours_is_an_error():
 
 def test_powerlens_never_passes_the_deprecated_keywords(ours_is_an_error, tmp_path, system):
     from powerlens.cli import main
-    from powerlens.steering.effects import paper_alignment
+    from powerlens._src.steering.effects import paper_alignment
     assert main(["simulate", "--spectrum", "3,1,0.5", "--dim", "6", "--tokens", "4", "--steps", "6",
                  "--rule", "post_ln", "--keep-bias", "--quiet", "--out", str(tmp_path / "sim")]) == 0
     model = tiny_decoder(3)

@@ -15,12 +15,12 @@ import pytest
 
 import reference_numpy as R
 
-from powerlens.analysis.spectra import layer_spectra, reference_subspaces
-from powerlens.dynamics.layer import layer_step
-from powerlens.dynamics.options import Dynamics
-from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
-from powerlens.dynamics.simulate import simulate, simulate_batch, simulate_jit
-from powerlens.dynamics.synthetic import synthetic_system
+from powerlens._src.analysis.spectra import layer_spectra, reference_subspaces
+from powerlens._src.dynamics.layer import layer_step
+from powerlens._src.dynamics.options import Dynamics
+from powerlens._src.dynamics.params import LayerConfig, layer_matrices, make_layers
+from powerlens._src.dynamics.simulate import simulate, simulate_batch, simulate_jit
+from powerlens._src.dynamics.synthetic import synthetic_system
 
 TOL = 1e-5
 
@@ -267,7 +267,7 @@ def test_benchmark_baseline_equals_reference():
     import importlib.util
     import os
 
-    from powerlens.dynamics.synthetic import sphere_tokens, synthetic_system
+    from powerlens._src.dynamics.synthetic import sphere_tokens, synthetic_system
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                         "numpy_baseline.py")
     spec = importlib.util.spec_from_file_location("numpy_baseline", path)
@@ -290,9 +290,9 @@ def test_projections_cached_per_weights_never_stale(sys_causal):
     reading the weights in place (what a program without them does), and a layer with a new
     W_q or W_o gets its own."""
     import importlib
-    from powerlens.dynamics.projections import prepared_projections, qkv_weight
-    from powerlens.dynamics.run import run_batch
-    run_mod = importlib.import_module("powerlens.dynamics.run")
+    from powerlens._src.dynamics.projections import prepared_projections, qkv_weight
+    from powerlens._src.dynamics.run import run_batch
+    run_mod = importlib.import_module("powerlens._src.dynamics.run")
     layers, _, x0, valid = sys_causal
     P = prepared_projections(layers)
     assert P is prepared_projections(layers)                            # built once
@@ -327,10 +327,10 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     one vmap over the batch to float32 rounding, the states keep their "float[T+1 B n d]"
     order, and simulate_batch's whole Trajectory agrees too."""
     import importlib
-    run_mod = importlib.import_module("powerlens.dynamics.run")
-    sim = importlib.import_module("powerlens.dynamics.simulate")
-    from powerlens.dynamics.execution import TUNING
-    from powerlens.dynamics.run import prompt_chunk, run_batch
+    run_mod = importlib.import_module("powerlens._src.dynamics.run")
+    sim = importlib.import_module("powerlens._src.dynamics.simulate")
+    from powerlens._src.dynamics.execution import TUNING
+    from powerlens._src.dynamics.run import prompt_chunk, run_batch
     CHUNK_TOKENS_CPU = TUNING.chunk_tokens_cpu
     assert prompt_chunk(32, 128, "cpu") == CHUNK_TOKENS_CPU // 128 == 8
     assert prompt_chunk(8, 128, "cpu") is None                          # one chunk already
@@ -342,7 +342,7 @@ def test_prompt_chunks_give_the_numbers_of_one_vmap(sys_causal, monkeypatch):
     X0 = np.stack([x0] + [rng.standard_normal(x0.shape).astype(np.float32) for _ in range(6)])   # B = 7
     V = np.stack([valid] * 4 + [np.ones_like(valid)] * 3)
     whole = run_batch(layers, X0, V, observe=("states", "consensus", "final"), steps_first=True)
-    from powerlens.dynamics import execution                             # chunks of 3 prompts: 3 + 3 + 1
+    from powerlens._src.dynamics import execution                             # chunks of 3 prompts: 3 + 3 + 1
     monkeypatch.setattr(execution, "TUNING", dataclasses.replace(execution.TUNING, chunk_tokens_cpu=3 * X0.shape[1]))
     monkeypatch.setattr(sim, "prompt_chunk", lambda b, n, platform: 3)
     assert run_mod.prompt_chunk(7, X0.shape[1], "cpu") == 3
@@ -363,7 +363,7 @@ def test_map_prompts_puts_each_chunk_on_its_prompt_axis(B):
     prompts than a chunk, one vmap) returns what one vmap returns, bit for bit, with each
     output's prompt axis where out_axes puts it: axis 1 of a step-major "float[T B d]", axis 0
     elsewhere."""
-    from powerlens.dynamics.run import map_prompts
+    from powerlens._src.dynamics.run import map_prompts
     rng = np.random.default_rng(B)
     X0 = jnp.asarray(rng.standard_normal((B, 4, 5)).astype(np.float32))
     valid = jnp.asarray(rng.random((B, 4)) > 0.3)
@@ -386,7 +386,7 @@ def test_select_keeps_the_applied_layers_and_renumbers_the_schedule(sys_causal):
     """select of consecutive layers (a slice) and of scattered ones (a gather) keeps exactly
     the layers the schedule applies, renumbered onto them: the same arrays as indexing the
     stack, and the same final states as running the whole stack under that schedule."""
-    from powerlens.dynamics.run import run_batch
+    from powerlens._src.dynamics.run import run_batch
     base, _, x0, valid = sys_causal
     four = jax.tree_util.tree_map(lambda a: jnp.concatenate([a, 1.5 * a if a.dtype.kind == "f" else a]), base)
     four = four.replace(config=dataclasses.replace(base.config, schedule=None))
@@ -408,8 +408,8 @@ def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
     "int[T]" schedule array; an observer without ``of_states`` keeps the whole run in the scan;
     simulate_batch measures a small batch afterwards and a large one inside."""
     import importlib
-    from powerlens.dynamics.observers import READY, Observer, alignment
-    from powerlens.dynamics.run import measure_after_pays, run
+    from powerlens._src.dynamics.observers import READY, Observer, alignment
+    from powerlens._src.dynamics.run import measure_after_pays, run
     layers, sub, x0, valid = sys_causal
     kw = dict(rule="paper", attention="softmax")
     if schedule is None:
@@ -445,13 +445,13 @@ def test_measure_after_equals_measure_inside(sys_causal, schedule, monkeypatch):
     # the rule simulate_batch follows: bytes of all prompts' states against the bound
     assert measure_after_pays(layers, x0[None], sched_arr)
     assert not measure_after_pays(layers, np.zeros((2, 2 ** 20, 1), np.float32), sched_arr)
-    sim = importlib.import_module("powerlens.dynamics.simulate")
+    sim = importlib.import_module("powerlens._src.dynamics.simulate")
     seen = []
     real = sim.simulate_batch_jit
     T = len(layers.schedule) if sched_arr is None else len(sched_arr)
     bound = (T + 1) * 7 * 8 * 4                      # one prompt's states, float32
     monkeypatch.setattr(sim, "simulate_batch_jit", lambda *a, **k: seen.append(k["measure_after"]) or real(*a, **k))
-    execution = importlib.import_module("powerlens.dynamics.execution")
+    execution = importlib.import_module("powerlens._src.dynamics.execution")
     monkeypatch.setattr(execution, "TUNING", dataclasses.replace(execution.TUNING, measure_after_bytes=bound))
     one = simulate_batch(layers, x0[None], sub, valid=valid[None], schedule=sched_arr)
     two = simulate_batch(layers, np.repeat(x0[None], 2, 0), sub, valid=np.repeat(valid[None], 2, 0), schedule=sched_arr)
@@ -465,7 +465,7 @@ def test_rotation_planes_cached_per_arrays_and_equal_to_computing_them_inside(sy
     The cached array is reused, recomputed for a new W_o, never built from NumPy or traced
     arrays, and simulate gives the same trajectory with it as without."""
     import jax
-    from powerlens.dynamics.observers import complex_pair_planes, rotation_planes
+    from powerlens._src.dynamics.observers import complex_pair_planes, rotation_planes
     layers, sub, x0, valid = sys_causal
     planes = rotation_planes(sub, layers)
     np.testing.assert_array_equal(np.asarray(planes), [True, False])

@@ -36,7 +36,7 @@ def _example(name):
 
 @pytest.fixture(scope="module")
 def minilm():
-    import powerlens.models as M
+    import powerlens._src.models as M
     try:
         return M.load("minilm")
     except Exception as exc:  # noqa: BLE001 - the weights package is part of the set-up; say why if absent
@@ -166,7 +166,7 @@ def test_spectrum_example_as_script(tmp_path):
 # ------------------------------------------------------------------ align_your_prompts
 
 def test_align_example(minilm, tmp_path, capsys):
-    from powerlens.models import embed
+    from powerlens._src.models import embed
     out = _example("align_your_prompts").main(["--quick", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     x0, valid = embed(minilm, out["texts"])
@@ -221,7 +221,7 @@ def test_sweep_example(tmp_path, capsys):
 
 def test_steer_example(minilm, tmp_path, capsys):
     from transformers import AutoTokenizer
-    from powerlens.models import embed
+    from powerlens._src.models import embed
     target = 0.9
     out = _example("steer_toward_a_word").main(["--model", "minilm", "--word", "king", "--quick",
                                                 "--target", str(target), "--out", str(tmp_path)])

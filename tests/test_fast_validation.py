@@ -65,7 +65,7 @@ def test_a_hub_id_in_the_local_cache_and_a_path_are_known(tmp_path):
     """Only names that are certainly unknown are refused early: a hub id whose snapshot is in
     the local cache passes the check (and fails later, on its empty config, not on its name)."""
     from powerlens.cli import MODEL_ALIASES, check_model_name
-    from powerlens.models.load import ALIASES, ASSEMBLED
+    from powerlens._src.models.load import ALIASES, ASSEMBLED
     assert MODEL_ALIASES == (*ALIASES, *ASSEMBLED)
     snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc"
     snap.mkdir(parents=True)

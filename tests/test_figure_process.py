@@ -1,4 +1,4 @@
-"""`powerlens.runtime.figures.FigureProcess`: the figures of a command drawn by a child forked
+"""`powerlens._src.runtime.figures.FigureProcess`: the figures of a command drawn by a child forked
 before JAX starts, with the same files as drawing them in the command's own process."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
 PROBE = r'''
 import json, os, sys
-from powerlens.runtime.figures import FigureProcess
+from powerlens._src.runtime.figures import FigureProcess
 from figure_jobs import write, fail
 out = sys.argv[1]
 report = {}
@@ -66,7 +66,7 @@ def test_align_draws_the_same_figure_in_a_child_as_in_process(tmp_path):
     """`powerlens align` in a fresh process (the figure drawn by the forked child) and
     in-process after JAX was imported (drawn here): the same align.json numbers and the same
     PNG (same size, pixels within one level on at most 0.1 % of them)."""
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     try:
         resolve("minilm")
     except ValueError:

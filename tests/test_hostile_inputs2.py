@@ -21,11 +21,11 @@ import pytest
 
 import powerlens as pl
 from powerlens.cli import main
-from powerlens.dynamics.inputs import check_batch
-from powerlens.dynamics.norms import l2_normalize, layer_norm, rms_norm
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.models import CheckpointError, load
-from powerlens.models.npz import load_weights_npz
+from powerlens._src.dynamics.inputs import check_batch
+from powerlens._src.dynamics.norms import l2_normalize, layer_norm, rms_norm
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.models import CheckpointError, load
+from powerlens._src.models.npz import load_weights_npz
 
 # ----------------------------------------------------------------------------- helpers
 

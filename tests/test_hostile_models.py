@@ -26,8 +26,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from powerlens.models import CheckpointError, load
-from powerlens.models.npz import load_weights_npz
+from powerlens._src.models import CheckpointError, load
+from powerlens._src.models.npz import load_weights_npz
 
 D, H, F, V, P = 4, 2, 8, 11, 8         # width, heads, FFN width, vocabulary, positions
 LIMIT_GB = 3                            # RLIMIT_AS of the memory tests
@@ -198,8 +198,8 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import json, resource, sys, time
     limit = int(sys.argv[1]) << 30
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    from powerlens.models import load
-    from powerlens.models.npz import load_weights_npz
+    from powerlens._src.models import load
+    from powerlens._src.models.npz import load_weights_npz
     out = {}
     for case, kind, path in json.loads(sys.argv[2]):
         t0 = time.perf_counter()
@@ -271,7 +271,7 @@ def test_a_huge_albert_schedule_is_refused(tmp_path):
 
 
 def test_gpt_neo_attention_types_are_counted_not_expanded(tmp_path):
-    from powerlens.models.gpt_neo import attention_layers
+    from powerlens._src.models.gpt_neo import attention_layers
     with pytest.raises(CheckpointError, match=r"attention_types give 2000000000 layer types but num_layers=2"):
         attention_layers({"attention_types": [[["global", "local"], 10 ** 9]]}, 2, "config.json")
 
@@ -346,7 +346,7 @@ def test_npz_values_beyond_float32_are_not_turned_into_inf(tmp_path):
 
 
 def test_a_complex_direction_file_names_the_file(tmp_path):
-    from powerlens.steering.directions import parse_direction
+    from powerlens._src.steering.directions import parse_direction
     for name, arr in (("c.npy", np.ones(D, np.complex128)), ("b.npy", np.ones(D, bool))):
         np.save(tmp_path / name, arr)
         with pytest.raises(ValueError, match=rf"direction file .*{name}.*{arr.dtype}"):
@@ -474,7 +474,7 @@ def test_an_unsafe_pickle_is_one_line_and_inert(tmp_path, with_torch, capsys):
 
 
 def test_a_model_without_a_tokenizer_says_what_to_do(tmp_path):
-    from powerlens.models.embed import embed
+    from powerlens._src.models.embed import embed
     model = load(write_folder(tmp_path / "m", bert_tensors(1), bert_config(1)))
     msg = one_line_error(embed, model, ["needs a tokenizer"])
     assert "has no tokenizer" in msg and "token ids" in msg and "tokenizer files" in msg

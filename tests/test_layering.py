@@ -42,18 +42,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "powerlens"
 
 TOP = 5
-LEVELS = {"io": 0, "lazy": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
+LEVELS = {"_src": 0, "io": 0, "lazy": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
           "reproduce": TOP, "commands": TOP, "cli": TOP, "sweeps": TOP,
           "runtime": TOP}           # process concerns; who may import it: tests/test_runtime_package.py
 FACADE = "__init__"           # the unit of the package's own __init__.py
+PRIVATE = "_src"              # the implementation package: every module but the facade and cli
 
 
 @dataclasses.dataclass(frozen=True)
 class Import:
-    source: str               # importing module, e.g. powerlens.dynamics.simulate
+    source: str               # importing module, e.g. powerlens._src.dynamics.simulate
     file: str                 # its path relative to the repository root
     line: int
-    target: str               # the imported powerlens module, e.g. powerlens.analysis.spectra
+    target: str               # the imported powerlens module, e.g. powerlens._src.analysis.spectra
     module_level: bool        # runs when the module is imported (not in a function / TYPE_CHECKING)
     runs: bool = True         # runs at all: False only under ``if TYPE_CHECKING:``
 
@@ -130,14 +131,18 @@ def collect(pkg_dir: Path, pkg: str = PACKAGE, root: Path = None) -> Tuple[Dict[
 
 
 def unit_of(module: str) -> str:
-    """The layer unit of a module: its subpackage, a root module's own name, or the facade."""
+    """The layer unit of a module: its subpackage, a root module's own name, or the facade.
+    The private implementation package ``_src`` is transparent: ``powerlens._src.dynamics.run``
+    is in ``dynamics``; ``powerlens._src`` itself (a docstring, no imports) is a leaf."""
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] == PRIVATE:
+        parts = parts[1:]
     return FACADE if len(parts) == 1 else parts[1]
 
 
 def violations(imports: Iterable[Import]) -> List[str]:
     """Every import against the layer order, as 'file:line -> module (why)'."""
-    below = lambda u: sorted(v for v, lv in LEVELS.items() if lv < LEVELS[u] or v == u or v == "io")
+    below = lambda u: sorted(v for v, lv in LEVELS.items() if (lv < LEVELS[u] or v == u or v == "io") and v != PRIVATE)
     bad = []
     for imp in imports:
         src, tgt = unit_of(imp.source), unit_of(imp.target)
@@ -230,7 +235,7 @@ def runtime_graph(imports: Iterable[Import], allowed: Iterable[Tuple[str, str]] 
     return g
 
 
-REGISTRY = {("powerlens.models.layout", "powerlens.models.families")}
+REGISTRY = {("powerlens._src.models.layout", "powerlens._src.models.families")}
 """The converter registry, the one cycle the package keeps. ``models/families.py`` imports
 every family module so that each converter registers itself (``@register`` in
 ``models/base.py``) with its output-projection layout; each family module imports
@@ -293,8 +298,8 @@ def test_the_registry_is_the_cycle_it_names():
     edges = [imp for imp in IMPORTS if (imp.source, imp.target) in REGISTRY]
     assert edges and all(imp.runs and not imp.module_level for imp in edges), edges
     with_registry = [_cycle_modules(c) for c in cycles(runtime_graph(IMPORTS))]
-    registry = [c for c in with_registry if "powerlens.models.families" in c]
-    assert len(registry) == 1 and {"powerlens.models.layout", "powerlens.models.llama"} <= registry[0], with_registry
+    registry = [c for c in with_registry if "powerlens._src.models.families" in c]
+    assert len(registry) == 1 and {"powerlens._src.models.layout", "powerlens._src.models.llama"} <= registry[0], with_registry
 
 
 # ---------------------------------------------------------------- the checker on a fake tree

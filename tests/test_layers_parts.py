@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 import powerlens as pl
-from powerlens.dynamics import execution
-from powerlens.dynamics.params import FIELDS, MODEL_SPLIT, LayerConfig, make_layers
-from powerlens.dynamics.parts import FFN, PARTS, Attention, Norms
-from powerlens.models.npz import load_weights_npz, save_weights_npz
+from powerlens._src.dynamics import execution
+from powerlens._src.dynamics.params import FIELDS, MODEL_SPLIT, LayerConfig, make_layers
+from powerlens._src.dynamics.parts import FFN, PARTS, Attention, Norms
+from powerlens._src.models.npz import load_weights_npz, save_weights_npz
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -192,7 +192,7 @@ class _FakeMesh:
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
 def test_the_parts_rules_give_the_old_tables_partition_specs(size, monkeypatch):
     from jax.sharding import PartitionSpec as P
-    from powerlens.models import shard
+    from powerlens._src.models import shard
     monkeypatch.setattr(execution, "axis_sharding",
                         lambda mesh, ndim, axis=None, name=execution.MODEL: P(*[name if i == axis else None
                                                                              for i in range(ndim)]))
@@ -221,7 +221,7 @@ def test_the_parts_rules_give_the_old_tables_partition_specs(size, monkeypatch):
 def test_edit_hash_reads_the_flat_fields_in_their_old_order():
     """The sha256 of a layer (edit files) is over the flat names in the old field order, so
     an edit file written before the parts still matches its model."""
-    from powerlens.steering.edit_file import layer_sha256
+    from powerlens._src.steering.edit_file import layer_sha256
     layers = _every_field_layers()
     one = layers.layer(1)
     h = hashlib.sha256()

@@ -23,7 +23,7 @@ import pytest
 
 import powerlens as pl
 from powerlens.cli import main
-from powerlens.models.reader import CheckpointError, TensorReader
+from powerlens._src.models.reader import CheckpointError, TensorReader
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import scale  # noqa: E402
@@ -89,7 +89,7 @@ def test_spectrum_and_paper_align_never_read_the_ffn(broken, tmp_path, capsys):
 def test_spectrum_of_the_broken_checkpoint_is_the_intact_ones(ckpt, broken):
     """The same F_t from the intact and the corrupted file, and the same as numpy's float64
     eig of O V formed from the raw bf16 bytes (an independent reading)."""
-    from powerlens.commands.models import spectra_by_layer
+    from powerlens._src.commands.models import spectra_by_layer
     a = spectra_by_layer(pl.load(ckpt, parts="spectrum").layers)
     b = spectra_by_layer(pl.load(broken, parts="spectrum").layers)
     H, G, e = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["hidden_size"] // CFG["num_attention_heads"]
@@ -174,7 +174,7 @@ def test_rows_reads_single_rows_of_the_unembedding(ckpt):
 
 def test_a_model_that_cannot_fit_is_refused_before_any_tensor_is_read(ckpt, monkeypatch):
     """The refusal comes from the config's sizes and the headers, before a tensor is read."""
-    from powerlens.models import reader
+    from powerlens._src.models import reader
     monkeypatch.setattr(reader, "available_memory", lambda: 10_000)
     read = []
     monkeypatch.setattr(reader.TensorReader, "get", lambda self, name, *a, **k: read.append(name))
@@ -199,7 +199,7 @@ def test_gguf_dequantised_to_bf16_on_request():
 
 
 def test_token_directions_read_single_rows_of_an_unread_head(ckpt, monkeypatch):
-    from powerlens.models.layout import unembedding_matrix, vocabulary_rows
+    from powerlens._src.models.layout import unembedding_matrix, vocabulary_rows
     m = pl.load(ckpt, parts="attention")
     assert m.lm_head is None and m.info.unread_head == "lm_head.weight" and m.info.parts == "attention"
     assert vocabulary_rows(m) == CFG["vocab_size"]
@@ -222,7 +222,7 @@ def test_each_step_upcasts_its_own_layer_only(ckpt):
     otherwise hoist the cast out of the scan (a float32 copy of every layer). Counted from the
     compiled program's temporary buffers, 8 layers so that one layer is an eighth of the stack."""
     import importlib
-    run = importlib.import_module("powerlens.dynamics.run")
+    run = importlib.import_module("powerlens._src.dynamics.run")
     folder = os.path.join(os.path.dirname(ckpt), "eight")
     scale.write_checkpoint(folder, dict(CFG, num_hidden_layers=8, hidden_size=128, intermediate_size=16), seed=4,
                            progress=False)

@@ -10,9 +10,9 @@ import pytest
 
 from hf_tiny import build
 from powerlens.cli import main
-from powerlens.models import load
-from powerlens.models.load import hub_cache_path, resolve
-from powerlens.models.reader import CheckpointError
+from powerlens._src.models import load
+from powerlens._src.models.load import hub_cache_path, resolve
+from powerlens._src.models.reader import CheckpointError
 
 
 @pytest.fixture()
@@ -55,7 +55,7 @@ def test_spectrum_command_reports_albert_groups(fake_cache, tmp_path, capsys):
     assert [l["group"] for l in doc["layers"]] == [0, 0, 1, 1]
     assert doc["model"]["schedule"] == [0, 1, 0, 1, 2, 3]
     model = load("tiny-org/tiny-albert")
-    from powerlens.dynamics.params import layer_matrices
+    from powerlens._src.dynamics.params import layer_matrices
     F = np.asarray(layer_matrices(model.layers), np.float64)
     for l, entry in enumerate(doc["layers"]):
         ev = np.linalg.eigvals(F[l])

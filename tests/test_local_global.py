@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from powerlens.analysis.measures import group_difference
-from powerlens.analysis.plots import plot_alignment
-from powerlens.reproduce.real_models import local_global
+from powerlens._src.analysis.measures import group_difference
+from powerlens._src.analysis.plots import plot_alignment
+from powerlens._src.reproduce.real_models import local_global
 
 
 def test_three_largest_of_eighteen_has_the_exact_permutation_pvalue():

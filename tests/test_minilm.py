@@ -21,10 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from powerlens.analysis.spectra import layer_spectra  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import embed, hidden_states, load  # noqa: E402
-from powerlens.models.load import ALIASES, package_path  # noqa: E402
+from powerlens._src.analysis.spectra import layer_spectra  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import embed, hidden_states, load  # noqa: E402
+from powerlens._src.models.load import ALIASES, package_path  # noqa: E402
 
 try:
     FOLDER = package_path(*ALIASES["minilm"])
@@ -150,9 +150,9 @@ def test_empty_prompt_with_tokenizer(minilm):
 
 PEAK_SCRIPT = textwrap.dedent("""
     import os, jax, jax.numpy as jnp
-    import powerlens.models as pm
-    from powerlens.models import families  # noqa: F401
-    from powerlens.models.load import ALIASES, package_path
+    import powerlens._src.models as pm
+    from powerlens._src.models import families  # noqa: F401
+    from powerlens._src.models.load import ALIASES, package_path
     jnp.isfinite(jnp.ones((3, 3))).all().block_until_ready()
     def status(key):
         for line in open("/proc/self/status"):

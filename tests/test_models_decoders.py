@@ -1,7 +1,7 @@
 """Decoder converters (GPT-2, GPT-Neo, HF Llama) against transformers + torch.
 
 Tiny random models (tests/hf_tiny_decoders.py) are saved with ``save_pretrained`` and
-read back with ``powerlens.models.load``. Checked, in float32, at valid positions of a
+read back with ``powerlens._src.models.load``. Checked, in float32, at valid positions of a
 right-padded batch (lengths 7 and 4):
 
 * every entry of HF ``hidden_states`` (rule ``full``) to <= 1e-4 max abs;
@@ -25,10 +25,10 @@ pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 import zero_pad as Z  # noqa: E402
-from powerlens.dynamics.layer import layer_step  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, hidden_states, load, logits, run_states  # noqa: E402
-from powerlens.models.llama import rope_theta  # noqa: E402
+from powerlens._src.dynamics.layer import layer_step  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, embed_ids, hidden_states, load, logits, run_states  # noqa: E402
+from powerlens._src.models.llama import rope_theta  # noqa: E402
 
 TOL = 1e-4
 

@@ -24,10 +24,10 @@ pytest.importorskip("transformers")
 
 import hf_tiny  # noqa: E402
 import zero_pad as Z  # noqa: E402
-from powerlens.dynamics.layer import layer_step  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed, embed_ids, hidden_states, load  # noqa: E402
-from powerlens.models.albert import albert_schedule, hidden_state_steps  # noqa: E402
+from powerlens._src.dynamics.layer import layer_step  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, embed, embed_ids, hidden_states, load  # noqa: E402
+from powerlens._src.models.albert import albert_schedule, hidden_state_steps  # noqa: E402
 
 TOL = 1e-4
 LENGTHS = [9, 5, 7]      # padded batch: rows 1 and 2 end with padding
@@ -366,7 +366,7 @@ def test_reader_skips_buffers_by_whole_name(tmp_path):
     """Buffers are skipped by whole dotted components: GPT-2's causal mask ``h.0.attn.bias``
     and ``position_ids`` go, ``h.0.attn.c_attn.bias`` stays; ``out=`` fills a slot in place."""
     from safetensors.numpy import save_file
-    from powerlens.models.reader import TensorReader
+    from powerlens._src.models.reader import TensorReader
     save_file({"transformer.h.0.attn.bias": np.ones((1, 1, 4, 4), np.float32),
                "transformer.h.0.attn.c_attn.bias": np.arange(6, dtype=np.float32),
                "embeddings.position_ids": np.arange(4, dtype=np.int64),
@@ -387,8 +387,8 @@ def test_encoder_converters_load_in_the_dtype_they_are_given(built, case):
     given float64 with a float32 reader, every layer array and embedding is float64, holding
     the float32 checkpoint's values (to float32 rounding: the attention scale 1/sqrt(e) is
     computed in the dtype)."""
-    from powerlens.models.base import CONVERTERS
-    from powerlens.models.reader import TensorReader, read_config
+    from powerlens._src.models.base import CONVERTERS
+    from powerlens._src.models.reader import TensorReader, read_config
     folder, ref = built[case][1], built[case][2]
     with jax.enable_x64(True):
         model = CONVERTERS[CASES[case][0]](read_config(folder), TensorReader(folder), np.dtype(np.float64), "")

@@ -4,7 +4,7 @@ Tiny random models (tests/hf_tiny_decoders.py: d = 48, 3 layers, 4 query heads o
 key/value heads, head_dim 16 != d / H, sliding windows of 3 < the 7-token prompts, Gemma 2
 soft-capping at 3 (scores) and 4 (logits) so that it bites, Gemma 3 RoPE bases 30 (local)
 and 3000 (global)) are saved with ``save_pretrained`` and read back with
-``powerlens.models.load``. Checked in float32 at the valid positions of right- and
+``powerlens._src.models.load``. Checked in float32 at the valid positions of right- and
 left-padded batches: every HF hidden state and the logits to <= 1e-4, F_t against
 W_o V_cat from the torch weights, the windows, RoPE bases and scales against what
 transformers derives from the same config.json, and that each feature matters (removing it
@@ -22,9 +22,9 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 import zero_pad as Z  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed_ids, load, run_states  # noqa: E402
-from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, embed_ids, load, run_states  # noqa: E402
+from powerlens._src.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
 

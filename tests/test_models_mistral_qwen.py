@@ -3,7 +3,7 @@ GGUF architecture table; the ``gemma3`` alias.
 
 Tiny random models (tests/hf_tiny_decoders.py: 4 query heads over 2 or 1 key/value heads,
 explicit head_dim 16 != d / H, sliding windows of 3 < the 7-token prompts) are saved with
-``save_pretrained`` and read back with ``powerlens.models.load``. Checked in float32 at the
+``save_pretrained`` and read back with ``powerlens._src.models.load``. Checked in float32 at the
 valid positions of right- and left-padded batches: every HF hidden state and the logits to
 <= 1e-4, F_t against W_o V_cat from the torch weights, the per-layer windows against the
 layer types transformers derives from the same config.json.
@@ -21,9 +21,9 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 import zero_pad as Z  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, load  # noqa: E402
-from powerlens.models.gguf_llama import ARCHITECTURES  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, load  # noqa: E402
+from powerlens._src.models.gguf_llama import ARCHITECTURES  # noqa: E402
 
 TOL = 1e-4
 
@@ -231,7 +231,7 @@ needs_gemma3 = pytest.mark.skipif(
 
 
 def test_gemma3_without_its_packages_names_the_pip_line(monkeypatch):
-    L = importlib.import_module("powerlens.models.load")
+    L = importlib.import_module("powerlens._src.models.load")
     real = importlib.util.find_spec
     monkeypatch.setattr(L.importlib.util, "find_spec", lambda name, *a: None if name.endswith("part3") else real(name, *a))
     with pytest.raises(CheckpointError) as err:
@@ -245,7 +245,7 @@ def test_gemma3_without_its_packages_names_the_pip_line(monkeypatch):
 @needs_gemma3
 def test_gemma3_alias_finds_the_file():
     """(Reading it against transformers: tests/test_gemma3.py.)"""
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     path = resolve("gemma3")
     assert path == str(importlib.import_module(GEMMA3).default_output_path()) and os.path.getsize(path) > 200e6
 
@@ -253,7 +253,7 @@ def test_gemma3_alias_finds_the_file():
 @pytest.mark.slow
 @needs_gemma3
 def test_gemma3_is_assembled_on_first_use_in_the_users_cache(tmp_path, monkeypatch):
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     monkeypatch.setenv("HOME", str(tmp_path))
     path = resolve("gemma3")
     assert path == str(tmp_path / ".cache" / GEMMA3 / "gemma-3-270m-q4_k_m.gguf")

@@ -1,7 +1,7 @@
 """GPT-NeoX, OPT, Phi and Phi-3 converters against transformers + torch.
 
 Tiny random models (tests/hf_tiny_decoders.py ``OTHER_DECODERS``: 2 layers, 7-token prompts)
-are saved with ``save_pretrained`` and read back with ``powerlens.models.load``. Checked in
+are saved with ``save_pretrained`` and read back with ``powerlens._src.models.load``. Checked in
 float32 at the valid positions of right- and left-padded batches: every HF hidden state and
 the logits to <= 1e-4, F_t against W_o V_cat formed from the torch weights (the fused
 ``query_key_value`` / ``qkv_proj`` split here independently of the converter), the static
@@ -27,9 +27,9 @@ tf = pytest.importorskip("transformers")
 
 import hf_tiny_decoders as T  # noqa: E402
 import zero_pad as Z  # noqa: E402
-from powerlens.dynamics.layer import faithful_rule  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, load  # noqa: E402
+from powerlens._src.dynamics.layer import faithful_rule  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, load  # noqa: E402
 
 TOL = 1e-4
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from powerlens import io
+from powerlens._src import io
 from powerlens.cli import main
 
 FAST = ["simulate", "--spectrum", "2,0.5", "--dim", "4", "--steps", "3", "--tokens", "4", "--quiet"]
@@ -88,7 +88,7 @@ def test_a_killed_runs_lock_is_recognised_and_taken_over(tmp_path, capsys, text)
 # ------------------------------------------------------------------ 3. every file of a resumable run is listed
 
 def test_sweep_overwrite_keeps_a_users_files_among_chunks_and_figures(tmp_path, capsys):
-    from powerlens.sweeps.api import sweep
+    from powerlens._src.sweeps.api import sweep
     out = tmp_path / "K"
     sweep(SWEEP, out=str(out), progress=False)
     ours = sorted(os.listdir(out / "figures")) + sorted(os.listdir(out / ".chunks"))
@@ -116,7 +116,7 @@ def test_remove_owned_removes_exactly_what_the_marker_and_ledgers_list(tmp_path)
     (out / "figures").mkdir()
     for rel in (".chunks/KEY/", ".chunks/KEY/a.json", "figures/a.png"):
         io.claim(str(out), rel)
-    code = ("from powerlens import io; import sys; io.claim(sys.argv[1], '.chunks/KEY/b.json')")
+    code = ("from powerlens._src import io; import sys; io.claim(sys.argv[1], '.chunks/KEY/b.json')")
     subprocess.run([sys.executable, "-c", code, str(out)], check=True)      # another process: its own ledger
     ledgers = sorted(n for n in os.listdir(out) if n.startswith(io.LEDGER))
     assert len(ledgers) == 2
@@ -152,8 +152,8 @@ def test_a_ledger_is_never_written_through_a_link_nor_outside_the_folder(tmp_pat
 
 
 def test_reproduce_lists_its_chunks_and_figures_and_clear_keeps_a_users_file(tmp_path):
-    from powerlens import reproduce
-    from powerlens.sweeps.store import ChunkFolder
+    from powerlens._src import reproduce
+    from powerlens._src.sweeps.store import ChunkFolder
     out = tmp_path / "r"
     settings = {"quick": True, "seed": 0, "models": [], "sections": ["tiny"]}
     reproduce.prepare_folder(str(out), settings, overwrite=False)
@@ -223,7 +223,7 @@ def _rows_checksum(value):
 
 
 def test_a_chunk_with_a_nan_literal_or_a_forged_column_is_named_and_recomputed(tmp_path, capsys):
-    from powerlens.sweeps.api import sweep
+    from powerlens._src.sweeps.api import sweep
     out = str(tmp_path / "a")
     quiet = dict(progress=False, report_files=False)
     ref = sweep(SWEEP, out=out, **quiet)
@@ -261,7 +261,7 @@ def test_a_chunk_with_a_nan_literal_or_a_forged_column_is_named_and_recomputed(t
 
 
 def test_a_damaged_reproduce_chunk_is_named_once_and_recomputed(tmp_path):
-    from powerlens.sweeps.store import ChunkFolder
+    from powerlens._src.sweeps.store import ChunkFolder
     said = []
     store = ChunkFolder(str(tmp_path), {"seed": 0}, log=said.append)
     store.cached("s1", lambda: {"x": None})
@@ -281,7 +281,7 @@ def _safetensors(path, data: bytes):
 
 
 def test_a_checkpoint_with_other_weights_and_a_restored_mtime_is_another_checkpoint(tmp_path, monkeypatch):
-    from powerlens.sweeps import provenance as systems
+    from powerlens._src.sweeps import provenance as systems
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text('{"model_type": "bert"}')

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from powerlens.dynamics import synthetic as syn
-from powerlens.dynamics.linalg import gram_schmidt, haar, haar_q, pow2_scale, scaled_norm
-from powerlens.sweeps.spec import load_spec
+from powerlens._src.dynamics import synthetic as syn
+from powerlens._src.dynamics.linalg import gram_schmidt, haar, haar_q, pow2_scale, scaled_norm
+from powerlens._src.sweeps.spec import load_spec
 
 TINY = {"system": {"d": 4, "tokens": 4, "kind": "nonnormal", "spectrum": "2,0.5,-0.3"},
         "run": {"steps": 40, "attention": "uniform"}}
@@ -94,7 +94,7 @@ def test_the_issue_sweep_reports_the_right_numbers():
     # the tokens align with v1 (the gap |1 + 2| vs |1 + 0.5|), and the measured direction rate is
     # the predicted |1 + lambda_2| / |1 + lambda_1| = 1.5 / 3, as closely as in the in-range row
     # s = 1e3 (0.478: the per-token normalisation and the nonnormal transient bend the fit by a few %)
-    from powerlens.sweeps.api import sweep
+    from powerlens._src.sweeps.api import sweep
     df = sweep(_spec({"nonnormality": [1e3, 1e20, 1e30]}), progress=False)
     assert df["finite"].all()
     np.testing.assert_allclose(df["direction_rate_pred"], 0.5, rtol=1e-5)
@@ -141,8 +141,8 @@ def test_gram_schmidt_of_huge_or_tiny_columns_is_orthonormal():
 
 
 def test_mean_tangent_and_complex_planes_of_huge_states_and_weights():
-    from powerlens.dynamics.observers import _mean_tangent, complex_pair_planes
-    from powerlens.dynamics.subspaces import Subspaces
+    from powerlens._src.dynamics.observers import _mean_tangent, complex_pair_planes
+    from powerlens._src.dynamics.subspaces import Subspaces
     # tan(mean, span) is scale-free: tokens x 1e20 (squares overflow float32) give the same tangent
     rng = np.random.default_rng(1)
     X = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
@@ -225,7 +225,7 @@ def test_haar_refuses_more_columns_than_rows():
 # ------------------------------------------------------------------ item 10: tokenizer.json
 
 def _tokenizer_folder(tmp_path, name, data: bytes):
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     folder = tmp_path / name
     folder.mkdir()
     (folder / "tokenizer.json").write_bytes(data)
@@ -235,7 +235,7 @@ def _tokenizer_folder(tmp_path, name, data: bytes):
 
 
 def _minilm_tokenizer_json() -> dict:
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     with open(os.path.join(resolve("minilm"), "tokenizer.json"), encoding="utf-8") as fh:
         return json.load(fh)
 
@@ -245,8 +245,8 @@ def _minilm_tokenizer_json() -> dict:
     ("negative_vocab_id", "negative id -5"), ("negative_added_id", "negative id -1"), ("bad_json", "not valid JSON"),
     ("a_list", "JSON list, not an object")])
 def test_a_bad_tokenizer_json_is_one_error_naming_the_file(tmp_path, case, needle):
-    from powerlens.models.embed import _tokenizer_for
-    from powerlens.models.reader import CheckpointError
+    from powerlens._src.models.embed import _tokenizer_for
+    from powerlens._src.models.reader import CheckpointError
     doc = _minilm_tokenizer_json()
     if case == "negative_vocab_id":
         doc["model"]["vocab"]["hello"] = -5
@@ -263,7 +263,7 @@ def test_a_bad_tokenizer_json_is_one_error_naming_the_file(tmp_path, case, needl
 
 
 def test_a_good_tokenizer_json_still_loads(tmp_path):
-    from powerlens.models.embed import _tokenizer_for
+    from powerlens._src.models.embed import _tokenizer_for
     folder = _tokenizer_folder(tmp_path, "good", json.dumps(_minilm_tokenizer_json()).encode())
     assert _tokenizer_for(folder).encode("hello world") == [101, 7592, 2088, 102]
 
@@ -296,7 +296,7 @@ def test_top_tokens_refuses_complex_and_boolean_logits(minilm):
 
 def test_the_token_functions_name_a_bad_model_or_mask(minilm):
     import powerlens as pl
-    from powerlens.models.tokens import token_texts, vocabulary_size
+    from powerlens._src.models.tokens import token_texts, vocabulary_size
     for fn, args in ((pl.top_tokens, (np.zeros(3),)), (pl.decode, ([1],)), (token_texts, ([1],)),
                      (vocabulary_size, ())):
         with pytest.raises(ValueError, match="model must be a powerlens Model"):

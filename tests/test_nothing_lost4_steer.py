@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def no_optimiser(monkeypatch):
     """Any call of the optimiser fails the test: the refusal must come first."""
-    import powerlens.steering as steering
+    import powerlens._src.steering as steering
 
     def refuse(*a, **k):
         raise AssertionError("the optimiser ran before the option was refused")
@@ -75,7 +75,7 @@ def test_rank_bound_on_the_alignment_objective(tiny, tmp_path, capsys, no_optimi
 
 
 def test_too_many_control_lines(tiny, tmp_path, capsys, no_optimiser):
-    from powerlens.commands.steer_limits import STEER_MAX_PROMPTS
+    from powerlens._src.commands.steer_limits import STEER_MAX_PROMPTS
     path = tmp_path / "controls.txt"
     path.write_text("He read the report and\n" * (STEER_MAX_PROMPTS + 1))
     _refused(capsys, tmp_path, ["steer", str(tiny), *TOKEN, *PROMPT, "--controls", str(path)],
@@ -85,7 +85,7 @@ def test_too_many_control_lines(tiny, tmp_path, capsys, no_optimiser):
 
 @pytest.mark.parametrize("objective", [[], TOKEN])
 def test_too_many_prompts(tiny, tmp_path, capsys, no_optimiser, objective):
-    from powerlens.commands.steer_limits import STEER_MAX_PROMPTS
+    from powerlens._src.commands.steer_limits import STEER_MAX_PROMPTS
     path = tmp_path / "prompts.txt"
     path.write_text("The capital of France is\n" * STEER_MAX_PROMPTS)
     argv = ["steer", str(tiny), *(objective or ["--direction", "token:London"]), *PROMPT, "--prompts", str(path)]
@@ -94,7 +94,7 @@ def test_too_many_prompts(tiny, tmp_path, capsys, no_optimiser, objective):
 
 
 def test_steps_bounded_at_parse_time(tmp_path, capsys):
-    from powerlens.commands.steer_limits import STEER_MAX_STEPS
+    from powerlens._src.commands.steer_limits import STEER_MAX_STEPS
     _refused(capsys, tmp_path, ["steer", "no-such-model", *TOKEN, *PROMPT, "--steps", "1000000000000"],
              f"--steps 1000000000000 is more than {STEER_MAX_STEPS}, the most Adam steps steer runs")
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from powerlens.dynamics.options import Dynamics
+from powerlens._src.dynamics.options import Dynamics
 
 
 # --- stores and reports
@@ -32,7 +32,7 @@ steps = 6
 
 
 def _tiny_spec(tmp_path):
-    from powerlens.sweeps.spec import load_spec
+    from powerlens._src.sweeps.spec import load_spec
     path = tmp_path / "tiny.toml"
     path.write_text(TINY_SPEC)
     return load_spec(str(path))
@@ -42,8 +42,8 @@ def test_reproduce_store_rewrites_a_stale_chunk_once_then_loads_it(tmp_path, cap
     """reproduce runs its sweeps into the one store (:class:`ChunkFolder` keyed by the run's
     settings). A chunk whose rows no longer match their checksum is recomputed and rewritten
     in place, once: the next run loads every chunk and recomputes nothing."""
-    from powerlens.sweeps.engine import run_sweep
-    from powerlens.sweeps.store import ChunkFolder, settings_key
+    from powerlens._src.sweeps.engine import run_sweep
+    from powerlens._src.sweeps.store import ChunkFolder, settings_key
     spec, settings = _tiny_spec(tmp_path), {"quick": True, "seed": 5}
 
     def run():
@@ -77,7 +77,7 @@ def test_one_store_keys_adopts_clears_and_round_trips_through_json(tmp_path):
     lists) whether computed or loaded; a name becomes a safe file name; chunks a worker
     process wrote count as computed when read (``adopt``); a damaged file is recomputed;
     ``clear`` removes the run's folder and an emptied ``.chunks``, nothing else."""
-    from powerlens.sweeps.store import ChunkFolder, MemoryStore
+    from powerlens._src.sweeps.store import ChunkFolder, MemoryStore
     value = {"x": np.float32(0.5), "y": float("nan"), "z": np.arange(3)}
     expect = {"x": 0.5, "y": None, "z": [0, 1, 2]}
     memory = MemoryStore()
@@ -109,16 +109,16 @@ def test_one_store_keys_adopts_clears_and_round_trips_through_json(tmp_path):
 
 
 def test_sweep_and_reproduce_reports_share_one_renderer(tmp_path):
-    """Both report.html pages come from :mod:`powerlens.analysis.report_html`: one stylesheet,
+    """Both report.html pages come from :mod:`powerlens._src.analysis.report_html`: one stylesheet,
     one figure embedding. A sweep report names a missing figure instead of failing, shows a
     NaN mean as "–" and gives a landscape figure a full row, as the reproduce report does."""
     import types
     import pandas as pd
     from matplotlib.figure import Figure
-    from powerlens.analysis import report_html
-    from powerlens.reproduce.report import render_html as reproduce_html
-    from powerlens.reproduce.section import SectionResult
-    from powerlens.sweeps.report import render_html as sweep_html
+    from powerlens._src.analysis import report_html
+    from powerlens._src.reproduce.report import render_html as reproduce_html
+    from powerlens._src.reproduce.section import SectionResult
+    from powerlens._src.sweeps.report import render_html as sweep_html
     os.makedirs(tmp_path / "figures")
     fig = Figure(figsize=(10, 4), dpi=80)
     fig.subplots().plot([0, 1])
@@ -141,7 +141,7 @@ def test_solve_pivot_guard_flags_a_singular_system_without_inf_or_nan():
     after one elimination step): the flag is set and X stays finite (before the guard it was
     inf/NaN). A zero leading entry is only a row swap: [[0, 1], [1, 0]] is its own inverse,
     unflagged. The zero matrix is flagged. Batched with vmap, each system gets its own flag."""
-    from powerlens.sweeps.linalg import solve
+    from powerlens._src.sweeps.linalg import solve
     with jax.enable_x64(True):
         eye = jnp.eye(2, dtype=jnp.float64)
         X, singular = solve(jnp.asarray([[1.0, 2.0], [2.0, 4.0]]), eye)
@@ -159,7 +159,7 @@ def test_a_singular_head_split_is_marked_not_garbage():
     """The caller of solve marks what it cannot build: value weights V of rank 3 < d = 4 have no
     split W_o V = F, so W_o is NaN (a sweep row built from it reads finite False); a full-rank
     V (H e = 6 > d) gives W_o V = F."""
-    from powerlens.dynamics.synthetic import head_split
+    from powerlens._src.dynamics.synthetic import head_split
     with jax.enable_x64(True):
         rng = np.random.default_rng(0)
         F, V = rng.standard_normal((4, 4)), rng.standard_normal((6, 4))
@@ -175,7 +175,7 @@ def test_solve_near_singular_is_solved_not_flagged(delta):
     """A = [[1, 1], [1, 1 + delta]] is nonsingular with A^-1 = [[1 + delta, -1], [-1, 1]] / delta
     (cond ~ 4 / delta): solved to about cond * eps in float64, and not flagged; and a random
     well-conditioned 6x6 system matches A X = B to 1e-12."""
-    from powerlens.sweeps.linalg import solve
+    from powerlens._src.sweeps.linalg import solve
     with jax.enable_x64(True):
         A = jnp.asarray([[1.0, 1.0], [1.0, 1.0 + delta]])
         X, singular = solve(A, jnp.eye(2, dtype=jnp.float64))
@@ -196,7 +196,7 @@ def test_map_systems_pads_micro_batches_and_equals_the_plain_vmap():
     in three lax.map steps, the padding dropped; each output equals vmap(fn) over the 5."""
     import jax
     import jax.numpy as jnp
-    from powerlens.dynamics import execution
+    from powerlens._src.dynamics import execution
     fn = lambda a, b: {"s": jnp.sin(a) @ b, "n": jnp.sum(a * a)}
     a = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
     b = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
@@ -223,20 +223,20 @@ def test_one_mesh_and_one_sharding_for_the_three_users(monkeypatch):
     module builds a Mesh or a NamedSharding)."""
     import pathlib
     import powerlens
-    from powerlens.dynamics import execution
+    from powerlens._src.dynamics import execution
     root = pathlib.Path(powerlens.__file__).parent
     for name in ("Mesh(", "make_mesh(", "NamedSharding("):
         users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if name in p.read_text())
-        assert users == ["dynamics/execution.py"], (name, users)
+        assert users == ["_src/dynamics/execution.py"], (name, users)
     calls = []
     real = execution.device_mesh
     monkeypatch.setattr(execution, "device_mesh", lambda *a, **k: calls.append("mesh") or real(*a, **k))
     import powerlens as pl
-    from powerlens.analysis.spectra import sweep_subspaces
-    from powerlens.dynamics.sweep import simulate_sweep, stack_systems
-    from powerlens.steering.optimize import optimize_steering
-    from powerlens.sweeps.engine import Engine
-    from powerlens.sweeps.spec import load_spec
+    from powerlens._src.analysis.spectra import sweep_subspaces
+    from powerlens._src.dynamics.sweep import simulate_sweep, stack_systems
+    from powerlens._src.steering.optimize import optimize_steering
+    from powerlens._src.sweeps.engine import Engine
+    from powerlens._src.sweeps.spec import load_spec
     systems = [pl.synthetic_system([1.5, 0.2], kind="symmetric", heads=2, d=4, seed=i, steps=3) for i in range(3)]
     _, subs = sweep_subspaces(systems)
     X0 = np.stack([pl.sphere_tokens(np.random.default_rng(i), 3, 4) for i in range(3)])
@@ -251,7 +251,7 @@ def test_one_mesh_and_one_sharding_for_the_three_users(monkeypatch):
 
 MULTI_DEVICE = r"""
 import numpy as np, jax, jax.numpy as jnp
-from powerlens.dynamics import execution
+from powerlens._src.dynamics import execution
 assert jax.device_count() == 4
 fn = lambda a: jnp.tanh(a) * 2.0
 a = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)   # 10 over 4 devices: padded to 16
@@ -296,7 +296,7 @@ def _rebuilt_measures(s):
 
 def _check_rows(source, df, rows):
     import powerlens as pl
-    from powerlens.dynamics.params import layer_matrices
+    from powerlens._src.dynamics.params import layer_matrices
     for i in rows:
         row = df.iloc[int(i)]
         s = pl.sweep_system(source, row)
@@ -358,7 +358,7 @@ def test_head_split_is_the_least_squares_split_and_exact_for_square_heads():
     """The head-split rule (design.md §1): W_o = F V^+ for H e >= d. With H e = 6 > d = 4 and with
     H e = d = 4, W_o V = F to float64 rounding, and W_o is the minimum-norm solution (its rows
     equals F pinv(V))."""
-    from powerlens.dynamics.synthetic import head_split
+    from powerlens._src.dynamics.synthetic import head_split
     rng = np.random.default_rng(3)
     F = rng.standard_normal((4, 4))
     with jax.enable_x64(True):
@@ -372,8 +372,8 @@ def test_head_split_is_the_least_squares_split_and_exact_for_square_heads():
 def test_one_haar_draw_and_one_group_rule_on_numpy_and_jnp():
     """haar gives the same Q from NumPy (qr + sign fix) and jnp (Householder), and group_size
     the same groups; random_subspace is that draw."""
-    from powerlens.analysis.measures import random_subspace
-    from powerlens.dynamics.linalg import GROUP_RTOL, group_size, haar
+    from powerlens._src.analysis.measures import random_subspace
+    from powerlens._src.dynamics.linalg import GROUP_RTOL, group_size, haar
     G = np.random.default_rng(4).standard_normal((5, 5))
     with jax.enable_x64(True):
         np.testing.assert_allclose(np.asarray(haar(jnp.asarray(G))), haar(G), atol=1e-12)
@@ -385,16 +385,16 @@ def test_one_haar_draw_and_one_group_rule_on_numpy_and_jnp():
 
 def test_simulate_the_sweep_and_trace_take_their_observers_from_the_one_bundle(monkeypatch):
     """``simulate``, the sweep's per-system ``measure`` and ``trace`` each run the one bundle of a
-    measured run (:func:`~powerlens.dynamics.observers.run_observers`): a spy in its place is called
+    measured run (:func:`~powerlens._src.dynamics.observers.run_observers`): a spy in its place is called
     by each, with the sweep's tangents as extras and trace's states on request, and what each
     returns has the bundle's results; an extra named like one of the bundle's is refused."""
     import powerlens as pl
-    from powerlens.analysis.spectra import sweep_subspaces
-    from powerlens.dynamics import observers
-    from powerlens.sweeps import measures
-    from powerlens.sweeps.systems import Static, from_layers
-    trace_module = importlib.import_module("powerlens.analysis.trace")        # the modules, not their functions
-    simulate_module = importlib.import_module("powerlens.dynamics.simulate")
+    from powerlens._src.analysis.spectra import sweep_subspaces
+    from powerlens._src.dynamics import observers
+    from powerlens._src.sweeps import measures
+    from powerlens._src.sweeps.systems import Static, from_layers
+    trace_module = importlib.import_module("powerlens._src.analysis.trace")        # the modules, not their functions
+    simulate_module = importlib.import_module("powerlens._src.dynamics.simulate")
     calls = []
 
     def spy(who):
@@ -407,7 +407,7 @@ def test_simulate_the_sweep_and_trace_take_their_observers_from_the_one_bundle(m
     for who, module in (("simulate", simulate_module), ("sweep", measures), ("trace", trace_module)):
         assert module.run_observers is observers.run_observers, who
         monkeypatch.setattr(module, "run_observers", spy(who))
-    from powerlens.dynamics.schedule import Schedule
+    from powerlens._src.dynamics.schedule import Schedule
     c, r = np.cos(0.4), np.sin(0.4)                  # F = W_o W_v: top pair 2 e^{+-0.4i} (a plane), then 0.3
     F = np.diag([2.0, 2.0, 0.3, 0.3, 0.3, 0.3])
     F[:2, :2] = 2.0 * np.array([[c, -r], [r, c]])
@@ -492,16 +492,16 @@ def test_each_shared_constant_is_defined_once():
     the two step limits once called MAX_STEPS have names that say which limit each is. No two
     modules define the same upper-case name to the same value, except cli.py's choice lists,
     written out so that the parser imports no numerical library (test_startup checks they agree)."""
-    import powerlens.models.llama as llama
-    import powerlens.sweeps.spec as spec
-    from powerlens.dynamics.params import SANDWICH_NORMS
-    from powerlens.dynamics.synthetic import INITS
+    import powerlens._src.models.llama as llama
+    import powerlens._src.sweeps.spec as spec
+    from powerlens._src.dynamics.params import SANDWICH_NORMS
+    from powerlens._src.dynamics.synthetic import INITS
     found = _module_constants()
     where = {name: [m for m, _ in found.get(name, [])] for name in
              ("INITS", "SANDWICH_NORMS", "NEUTRAL_SENTENCES", "ALBERT_MAX_SCHEDULE", "MAX_SYSTEM_STEPS")}
-    assert where == {"INITS": ["dynamics/synthetic.py"], "SANDWICH_NORMS": ["dynamics/params.py"],
-                     "NEUTRAL_SENTENCES": ["steering/effects.py"], "ALBERT_MAX_SCHEDULE": ["models/albert.py"],
-                     "MAX_SYSTEM_STEPS": ["sweeps/spec.py"]}
+    assert where == {"INITS": ["_src/dynamics/synthetic.py"], "SANDWICH_NORMS": ["_src/dynamics/params.py"],
+                     "NEUTRAL_SENTENCES": ["_src/steering/effects.py"], "ALBERT_MAX_SCHEDULE": ["_src/models/albert.py"],
+                     "MAX_SYSTEM_STEPS": ["_src/sweeps/spec.py"]}
     assert "MAX_STEPS" not in found
     assert spec.INITS is INITS and llama.SANDWICH_NORMS is SANDWICH_NORMS
     copies = {}
@@ -515,4 +515,4 @@ def test_each_shared_constant_is_defined_once():
     root = pathlib.Path(__file__).resolve().parents[1] / "powerlens"
     sentence = "The weather was mild and the streets were quiet."
     assert [str(p.relative_to(root)) for p in sorted(root.rglob("*.py")) if sentence in p.read_text("utf-8")] \
-        == ["steering/effects.py"]
+        == ["_src/steering/effects.py"]

@@ -1,7 +1,7 @@
 """Output folders never lose a user's file: powerlens removes or replaces only what it wrote.
 
 Every command (simulate, spectrum, align, steer, sweep, reproduce) goes through one decision,
-``powerlens.io.decide_folder``. Each case builds a folder in a temporary directory, runs the
+``powerlens._src.io.decide_folder``. Each case builds a folder in a temporary directory, runs the
 command in-process, and checks the exit status, the one-line message, that every file of the
 user's (at the top, in a subfolder, behind a symlink pointing out of the folder) is byte for
 byte as it was, and that no lock or staging file is left anywhere.
@@ -15,9 +15,9 @@ import shutil
 
 import pytest
 
-from powerlens import io, reproduce
+from powerlens._src import io, reproduce
 from powerlens.cli import main
-from powerlens.reproduce.section import SectionResult
+from powerlens._src.reproduce.section import SectionResult
 
 COMMANDS = ["simulate", "spectrum", "align", "steer", "sweep", "reproduce"]
 RESUMABLE = {"sweep", "reproduce"}
@@ -126,8 +126,8 @@ def users_folder(folder, outside):
 
 def sweep_folder(folder):
     """A sweep folder as ``sweep`` leaves it mid-run: marked, one finished chunk, one being written."""
-    from powerlens.sweeps import load_spec
-    from powerlens.sweeps.store import prepare_folder
+    from powerlens._src.sweeps import load_spec
+    from powerlens._src.sweeps.store import prepare_folder
     spec = load_spec({"seed": 1, "grid": {"beta": [1.0]}, "system": {"d": 4, "tokens": 4}, "run": {"steps": 5}})
     prepare_folder(str(folder), spec.to_dict(), "start")
     (folder / ".chunks").mkdir()
@@ -331,7 +331,7 @@ def test_no_lock_file_after_success_refusal_or_error(tmp_path, capsys, monkeypat
     with io.folder_lock(str(out)):                                  # and it can be taken again
         pass
 
-    from powerlens.analysis import plots
+    from powerlens._src.analysis import plots
     monkeypatch.setattr(plots, "plot_eigenvalues", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("plot failed")))
     deep = tmp_path / "new" / "deeper" / "run"
     code, err = run(capsys, argv("spectrum", deep, tmp_path))

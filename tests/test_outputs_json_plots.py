@@ -20,10 +20,10 @@ import pandas as pd
 import pytest
 
 import powerlens as pl
-from powerlens.analysis import plots
-from powerlens.analysis.experiment import StepMeasures, plot_measures
-from powerlens.analysis.measures import binomial_interval
-from powerlens.analysis.spectra import LAYER_FIELDS, layer_spectra, spectra_json
+from powerlens._src.analysis import plots
+from powerlens._src.analysis.experiment import StepMeasures, plot_measures
+from powerlens._src.analysis.measures import binomial_interval
+from powerlens._src.analysis.spectra import LAYER_FIELDS, layer_spectra, spectra_json
 from powerlens.cli import main
 from test_spectra_cache import PROMPTS, tiny_decoder
 
@@ -219,7 +219,7 @@ def test_binomial_interval_known_values():
 
 
 def test_bipartite_figure_has_binomial_intervals_and_starts_at_zero(tmp_path, monkeypatch):
-    from powerlens.reproduce import synthetic
+    from powerlens._src.reproduce import synthetic
     rows = []
     for p, (H, beta, k) in enumerate([(1, 0.5, 9), (1, 2.0, 7), (4, 0.5, 2), (4, 2.0, 1)]):
         for i in range(10):

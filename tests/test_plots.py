@@ -7,8 +7,8 @@ import pytest
 from matplotlib.collections import PathCollection
 from matplotlib.patches import Circle
 
-from powerlens.analysis import plots as P
-from powerlens.analysis.spectra import layer_spectra
+from powerlens._src.analysis import plots as P
+from powerlens._src.analysis.spectra import layer_spectra
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -301,7 +301,7 @@ def test_save_is_atomic_and_checked(out):
 
 
 def test_group_bars_heights(tmp_path):
-    from powerlens.analysis.plots import plot_group_bars
+    from powerlens._src.analysis.plots import plot_group_bars
     series = {"before": [0.01, 0.02], "rank-1": [0.3, 0.1], "act. add.": [0.6, 0.05]}
     fig = plot_group_bars(["closed", "gradient"], series, str(tmp_path / "g.png"), ylabel="P", logy=True,
                           return_fig=True)

@@ -17,12 +17,12 @@ from scipy import stats
 
 import reference_numpy as R
 
-from powerlens.analysis.measures import random_subspace
-from powerlens.analysis.spectra import layer_spectra, reference_subspaces
-from powerlens.dynamics.layer import layer_step
-from powerlens.dynamics.measures import token_alignment as alignment
-from powerlens.dynamics.params import LayerConfig, layer_matrices, make_layers
-from powerlens.dynamics.synthetic import spectrum_matrix, synthetic_system
+from powerlens._src.analysis.measures import random_subspace
+from powerlens._src.analysis.spectra import layer_spectra, reference_subspaces
+from powerlens._src.dynamics.layer import layer_step
+from powerlens._src.dynamics.measures import token_alignment as alignment
+from powerlens._src.dynamics.params import LayerConfig, layer_matrices, make_layers
+from powerlens._src.dynamics.synthetic import spectrum_matrix, synthetic_system
 
 N, D, H, E = 5, 6, 2, 3
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -234,7 +234,7 @@ def test_mean_angle_is_the_mean_on_one_branch(dev, center, turns):
     """Angles center + dev_i (|dev_i| < 1.4 < pi/2), each shifted by a whole number of turns:
     the mean is center + mean(dev), mod 2 pi, whatever the center (near +-pi too) and the
     turns; the plain mean of the wrapped angles is not, once the angles straddle +-pi."""
-    from powerlens.dynamics.measures import mean_angle
+    from powerlens._src.dynamics.measures import mean_angle
     a = center + dev + 2 * np.pi * np.asarray(turns[:dev.size])
     valid = np.ones(dev.size, bool)
     assert _wrapped_diff(mean_angle(a, valid), center + dev.mean()) < 1e-12
@@ -249,7 +249,7 @@ def test_mean_angle_straddling_pi():
     """Steps of pi - 0.1, pi + 0.1, pi - 0.2 and pi + 0.3 (the last three wrapped to -pi + 0.1,
     pi - 0.2, -pi + 0.3): their mean is pi + 0.025, i.e. -pi + 0.025; the plain mean of the
     wrapped values is 0.025, on the opposite side of the circle."""
-    from powerlens.dynamics.measures import mean_angle
+    from powerlens._src.dynamics.measures import mean_angle
     a = np.array([np.pi - 0.1, -np.pi + 0.1, np.pi - 0.2, -np.pi + 0.3])
     assert abs(a.mean() - 0.025) < 1e-12
     assert abs(mean_angle(a, np.ones(4, bool)) - (-np.pi + 0.025)) < 1e-12

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hf_tiny import build
-from powerlens.dynamics.params import layer_matrices
-from powerlens.models import load
-from powerlens.models.reader import CheckpointError
+from powerlens._src.dynamics.params import layer_matrices
+from powerlens._src.models import load
+from powerlens._src.models.reader import CheckpointError
 
 
 @pytest.fixture(scope="module")

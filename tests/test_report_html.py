@@ -70,8 +70,8 @@ def reports(tmp_path_factory):
     """Two reports in one folder: ``good.html`` (3 real figures) and ``bad.html`` (the same,
     plus a corrupt PNG and a figure whose file is missing)."""
     from PIL import Image
-    from powerlens.reproduce.report import render_html
-    from powerlens.reproduce.section import SectionResult, Table
+    from powerlens._src.reproduce.report import render_html
+    from powerlens._src.reproduce.section import SectionResult, Table
 
     out = tmp_path_factory.mktemp("report")
     os.makedirs(out / "figures")
@@ -172,7 +172,7 @@ def test_sweep_report_from_the_same_renderer_loads_its_figures(reports):
     pixel size, and a figure whose file is missing is named on the page, not an error."""
     import types
     import pandas as pd
-    from powerlens.sweeps.report import render_html
+    from powerlens._src.sweeps.report import render_html
     paths, sizes = reports
     out = os.path.dirname(paths["good"])
     spec = types.SimpleNamespace(name="tiny", grid={"beta": [1.0, 2.0]}, model=None, replicates=2)

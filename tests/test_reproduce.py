@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from powerlens import reproduce
-from powerlens.reproduce.section import SectionResult
+from powerlens._src import reproduce
+from powerlens._src.reproduce.section import SectionResult
 from test_no_torch import without_torch
 
 SECTIONS = ["bipartite"]
@@ -101,8 +101,8 @@ def _tiny_cached_bert(tmp_path, monkeypatch):
     """A tiny BERT in a fake HF cache (with MiniLM's tokenizer), as the only real model."""
     import shutil
     from hf_tiny import build
-    from powerlens.models.load import resolve
-    from powerlens.reproduce import real_models
+    from powerlens._src.models.load import resolve
+    from powerlens._src.reproduce import real_models
     root = tmp_path / "hub"
     snap = root / "models--tiny-org--tiny-bert" / "snapshots" / "abc"
     snap.mkdir(parents=True)
@@ -132,8 +132,8 @@ def test_worker_processes_give_the_serial_results(tmp_path, monkeypatch, capsys)
 
 def test_a_failed_worker_leaves_its_model_to_the_main_process(tmp_path, capsys):
     from concurrent.futures import Future
-    from powerlens.reproduce import Context
-    from powerlens.sweeps.store import ChunkFolder
+    from powerlens._src.reproduce import Context
+    from powerlens._src.sweeps.store import ChunkFolder
     ctx = Context(out=str(tmp_path), store=ChunkFolder(str(tmp_path), {}), quick=True, seed=0, models=[])
     dead = Future()
     dead.set_exception(RuntimeError("worker killed"))
@@ -145,7 +145,7 @@ def test_a_failed_worker_leaves_its_model_to_the_main_process(tmp_path, capsys):
 
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True, "2"])
 def test_bad_jobs_is_a_clear_error(jobs):
-    from powerlens.reproduce.workers import check_jobs
+    from powerlens._src.reproduce.workers import check_jobs
     with pytest.raises(ValueError, match="--jobs must be a positive integer"):
         check_jobs(jobs)
 
@@ -155,8 +155,8 @@ def test_main_process_xla_threads_and_the_workers_environment(monkeypatch):
     XLA_FLAGS or POWERLENS_XLA_THREADS thread choice wins), and the workers start from the
     user's environment (the copy the command line keeps), not from that one thread: fewer
     workers than cores keep XLA's threads, workers that fill them get one."""
-    from powerlens.runtime import threads
-    from powerlens.runtime.threads import SINGLE_THREAD_XLA, XLA_THREADS
+    from powerlens._src.runtime import threads
+    from powerlens._src.runtime.threads import SINGLE_THREAD_XLA, XLA_THREADS
     monkeypatch.delenv(XLA_THREADS, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
     assert threads.single_threaded_main(os.environ) and XLA_THREADS not in os.environ       # the user's choice
@@ -184,7 +184,7 @@ def test_section_7_verdicts_from_given_numbers():
     """Section 7's two verdicts are computed from their numbers: the output claim holds on a
     model when the better optimised edit reaches 75 % of the targets (closed forms do not
     count), the paper claim from its four paper-rule checks; the section's badge combines them."""
-    from powerlens.reproduce import steering_section as S
+    from powerlens._src.reproduce import steering_section as S
     assert S.reaches([0.4995, 0.7], 0.5005) and not S.reaches([0.498, 0.9], 0.1)
     assert not S.reaches([0.9, 0.9], 0.502) and not S.reaches([float("nan")], 0.0) and not S.reaches(None, None)
     shares = {"smollm2": {"gradient": 0.75, "activation_addition": 0.25, "closed_form_paper_alpha": 1.0},
@@ -221,10 +221,10 @@ def test_section_7_output_claim_on_a_tiny_decoder():
     for), and a target counts as reached only with the control KL in bound too."""
     import jax.numpy as jnp
     import numpy as np
-    from powerlens.dynamics.params import LayerConfig, make_layers
-    from powerlens.models.base import Model, ModelInfo
-    from powerlens.models.load import resolve
-    from powerlens.reproduce import steering_section as S
+    from powerlens._src.dynamics.params import LayerConfig, make_layers
+    from powerlens._src.models.base import Model, ModelInfo
+    from powerlens._src.models.load import resolve
+    from powerlens._src.reproduce import steering_section as S
     rng = np.random.default_rng(0)
     V, d, H, e, f, L = 30522, 8, 2, 4, 12, 1
     cfg = LayerConfig(d_model=d, n_heads=H, d_head=e, causal=True, norm="rmsnorm", norm_eps=1e-6,

@@ -17,8 +17,8 @@ SEED = 3                               # not the spec files' 0: the run's --seed
 
 
 def _quick_ctx():
-    from powerlens.reproduce import Context
-    from powerlens.sweeps.store import MemoryStore
+    from powerlens._src.reproduce import Context
+    from powerlens._src.sweeps.store import MemoryStore
     return Context(out="", store=MemoryStore(), quick=True, seed=SEED, models=[], show_progress=False)
 
 
@@ -39,7 +39,7 @@ def test_synthetic_section_rows_are_rebuilt_from_their_seed(name):
     """The section's table, as reproduce --quick computes it (run_section into its store), is a
     built-in synthetic sweep: no custom builder, the run's seed, and each row rebuilt by
     pl.sweep_system from the section's spec alone."""
-    from powerlens.reproduce import synthetic
+    from powerlens._src.reproduce import synthetic
     spec, df = synthetic.run_section(_quick_ctx(), name, name)
     assert spec.system["builder"] == "synthetic" and spec.seed == SEED
     assert len(df) == spec.n_systems and df["finite"].all()
@@ -50,7 +50,7 @@ def test_quick_section_specs_are_small_and_keep_the_laws():
     """--quick changes grid values, replicates and chunking only: section 3 keeps the gaps
     0.2, 0.1, 0.05 of the full spec's spectra; section 4 keeps one head against several;
     the full bipartite sweep has at least 1000 systems."""
-    from powerlens.reproduce import synthetic
+    from powerlens._src.reproduce import synthetic
     for name in synthetic.SPEC_NAMES:
         full, quick = (synthetic.section_spec(name, quick=q) for q in (False, True))
         assert quick.n_systems < full.n_systems, name
@@ -66,7 +66,7 @@ def test_quick_section_specs_are_small_and_keep_the_laws():
 
 
 def _minilm_or_skip():
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     try:
         resolve("minilm")
     except ValueError:
@@ -78,7 +78,7 @@ def test_shared_real_is_a_model_spec_of_every_layer():
     real-model sections, every unique layer for T = 200 (--quick: every max(U // 4, 1)-th
     layer, T = 80), the gamma series kept for the measured rate."""
     _minilm_or_skip()
-    from powerlens.reproduce import real_models as R
+    from powerlens._src.reproduce import real_models as R
     full, quick = R.shared_real_spec("minilm", seed=SEED), R.shared_real_spec("minilm", seed=SEED, quick=True)
     for spec in (full, quick):
         assert spec.model is not None and spec.model["name"] == "minilm" and spec.seed == SEED
@@ -95,10 +95,10 @@ def test_shared_real_rows_are_rebuilt_from_the_real_model(tmp_path):
     pl.sweep_system has the layer's eigenvalues, and pl.run its final_gamma and final_consensus;
     the section's row reads them off the table, with |1+lambda1| from lambda1."""
     _minilm_or_skip()
-    from powerlens.reproduce import real_models as R
-    from powerlens.sweeps.engine import run_sweep
-    from powerlens.sweeps.spec import load_spec
-    from powerlens.sweeps.store import MemoryStore
+    from powerlens._src.reproduce import real_models as R
+    from powerlens._src.sweeps.engine import run_sweep
+    from powerlens._src.sweeps.spec import load_spec
+    from powerlens._src.sweeps.store import MemoryStore
     spec = load_spec(R.shared_real_spec("minilm", seed=SEED, quick=True), overrides={"grid": {"steps": [12]}})
     df = run_sweep(spec, MemoryStore(), progress=False).table
     assert len(df) == 6 and df["layer"].tolist() == list(range(6))

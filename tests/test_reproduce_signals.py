@@ -120,7 +120,7 @@ def _chunk_files(out: Path) -> list:
 # ------------------------------------------------------------------ reproduce on the real models
 
 def _real_models() -> list:
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     found = []
     for name in ("minilm", "smollm2", "gemma3"):
         try:
@@ -158,9 +158,9 @@ def test_stopping_reproduce_stops_its_workers(tmp_path, sig):
 
 FAKE = r'''
 import os, sys, time
-import powerlens.reproduce as R
-from powerlens.reproduce import real_models
-from powerlens.reproduce.section import SectionResult
+import powerlens._src.reproduce as R
+from powerlens._src.reproduce import real_models
+from powerlens._src.reproduce.section import SectionResult
 
 
 def chunks(ctx, name):
@@ -182,7 +182,7 @@ def section_fake(ctx):
 section_fake.model_chunks = chunks
 section_fake.title = "9. A fake section"
 R.all_sections = lambda: [section_fake]
-import powerlens.reproduce.context as _context
+import powerlens._src.reproduce.context as _context
 _context.all_sections = R.all_sections                # the workers' view of the sections
 real_models.available_models = lambda ctx: (["m1"], [])
 from powerlens.cli import main
@@ -257,7 +257,7 @@ def test_a_sweep_over_local_processes_prints_no_gloo_lines(tmp_path, spec, cache
 # ------------------------------------------------------------------ the pieces, in this process
 
 def test_a_signal_becomes_an_interruption_once_and_handlers_come_back():
-    from powerlens.runtime.workers import Interrupted, exit_status, interrupt_on_signals
+    from powerlens._src.runtime.workers import Interrupted, exit_status, interrupt_on_signals
     before = signal.getsignal(signal.SIGTERM)
     if before is not signal.SIG_DFL:
         pytest.skip("SIGTERM is handled by someone else here")
@@ -279,10 +279,10 @@ def test_a_signal_becomes_an_interruption_once_and_handlers_come_back():
 
 def test_a_worker_whose_parent_has_gone_ends_at_once():
     """bind_to_parent with a pid that is not the parent's: the process ends, status 1."""
-    code = "from powerlens.runtime.workers import bind_to_parent; bind_to_parent(1); print('still here')"
+    code = "from powerlens._src.runtime.workers import bind_to_parent; bind_to_parent(1); print('still here')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "still here" not in done.stdout
-    code = "import os; from powerlens.runtime.workers import bind_to_parent; bind_to_parent(os.getppid()); print('ok')"
+    code = "import os; from powerlens._src.runtime.workers import bind_to_parent; bind_to_parent(os.getppid()); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok"
 
@@ -291,8 +291,8 @@ def test_messages_from_a_worker_reach_the_parent_and_show_per_worker_and_section
     """A Reporter (pickled, as into a task) sends through the Channel; WorkerProgress shows one
     line per stage without a terminal and a bar per worker with one."""
     import pickle
-    from powerlens.reproduce.workers import WorkerProgress
-    from powerlens.runtime.workers import Channel
+    from powerlens._src.reproduce.workers import WorkerProgress
+    from powerlens._src.runtime.workers import Channel
     got = []
     with Channel(got.append) as channel:
         report = pickle.loads(pickle.dumps(channel.reporter()))

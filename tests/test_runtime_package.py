@@ -1,9 +1,9 @@
-"""Process concerns live in ``powerlens/runtime/`` alone (issue 44, item 4).
+"""Process concerns live in ``powerlens/_src/runtime/`` alone (issue 44, item 4).
 
 * No module outside ``runtime/`` sets the CPU affinity, a thread count (BLAS or XLA's
   intra-op threads), the compilation cache, or calls ``jax.distributed``: the source is
   parsed, and its code (not its docstrings or comments) searched for those calls.
-* ``powerlens.runtime`` is imported only by the entry points: ``cli.py``, ``commands/`` and
+* ``powerlens._src.runtime`` is imported only by the entry points: ``cli.py``, ``commands/`` and
   ``reproduce``'s worker entry point (``reproduce/workers.py``); runtime itself imports
   nothing above ``dynamics`` (and ``io``).
 * Importing runtime imports no numerical library.
@@ -22,7 +22,7 @@ from test_layering import IMPORTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "powerlens"
-RUNTIME = PACKAGE / "runtime"
+RUNTIME = PACKAGE / "_src" / "runtime"
 
 # what a process concern looks like in code: names (attributes, imports) ...
 NAMES = re.compile(r"\bsched_(set|get)affinity\b|\bjax\.distributed\b|\bthreadpool_limits\b|"
@@ -31,8 +31,8 @@ NAMES = re.compile(r"\bsched_(set|get)affinity\b|\bjax\.distributed\b|\bthreadpo
 STRINGS = re.compile(r"(OPENBLAS|OMP|MKL|GOTO|VECLIB)_NUM_THREADS|multi_thread_eigen|intra_op|inter_op|"
                      r"compilation_cache|persistent_cache|cpu_collectives|POWERLENS_XLA_THREADS", re.IGNORECASE)
 
-ENTRY_POINTS = ("powerlens.cli", "powerlens.commands", "powerlens.reproduce.workers", "powerlens.runtime")
-RUNTIME_MAY_IMPORT = ("powerlens.io", "powerlens.dynamics.execution", "powerlens.runtime")
+ENTRY_POINTS = ("powerlens.cli", "powerlens._src.commands", "powerlens._src.reproduce.workers", "powerlens._src.runtime")
+RUNTIME_MAY_IMPORT = ("powerlens._src.io", "powerlens._src.dynamics.execution", "powerlens._src.runtime")
 
 
 def _docstrings(tree: ast.AST) -> set:
@@ -92,7 +92,7 @@ def test_no_process_concern_outside_runtime():
             continue
         rel = path.relative_to(ROOT)
         found += [f"{rel}:{f}" for f in process_concerns(path.read_text(encoding="utf-8"), str(rel))]
-    assert not found, "process concerns outside powerlens/runtime/:\n" + "\n".join(found)
+    assert not found, "process concerns outside powerlens/_src/runtime/:\n" + "\n".join(found)
 
 
 def test_runtime_has_what_moved_there():
@@ -104,18 +104,18 @@ def test_runtime_has_what_moved_there():
 
 
 def test_runtime_is_imported_by_the_entry_points_only():
-    users = {imp.source for imp in IMPORTS if imp.target.startswith("powerlens.runtime")}
+    users = {imp.source for imp in IMPORTS if imp.target.startswith("powerlens._src.runtime")}
     strangers = sorted(u for u in users if not u.startswith(ENTRY_POINTS))
-    assert not strangers, f"powerlens.runtime imported outside the entry points: {strangers}"
-    assert {"powerlens.cli", "powerlens.commands.sweep", "powerlens.reproduce.workers"} <= users
-    upward = sorted(imp.where() for imp in IMPORTS if imp.source.startswith("powerlens.runtime")
+    assert not strangers, f"powerlens._src.runtime imported outside the entry points: {strangers}"
+    assert {"powerlens.cli", "powerlens._src.commands.sweep", "powerlens._src.reproduce.workers"} <= users
+    upward = sorted(imp.where() for imp in IMPORTS if imp.source.startswith("powerlens._src.runtime")
                     and not imp.target.startswith(RUNTIME_MAY_IMPORT))
-    assert not upward, f"powerlens.runtime imports above dynamics: {upward}"
+    assert not upward, f"powerlens._src.runtime imports above dynamics: {upward}"
 
 
 def test_importing_runtime_imports_no_numerical_library():
-    code = ("import sys, powerlens.runtime.cache, powerlens.runtime.distributed, powerlens.runtime.threads, "
-            "powerlens.runtime.workers; print(sorted(m for m in ('jax', 'numpy', 'scipy') if m in sys.modules))")
+    code = ("import sys, powerlens._src.runtime.cache, powerlens._src.runtime.distributed, powerlens._src.runtime.threads, "
+            "powerlens._src.runtime.workers; print(sorted(m for m in ('jax', 'numpy', 'scipy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -126,8 +126,9 @@ def test_reproduce_workers_start_from_the_users_environment(monkeypatch):
     """The command line asks for one XLA thread in reproduce's main process, and hands the
     environment from before that to the workers (no module state keeps it)."""
     from jax._src import xla_bridge
-    from powerlens import cli, reproduce
-    from powerlens.runtime.threads import SINGLE_THREAD_XLA, XLA_THREADS
+    from powerlens import cli
+    from powerlens._src import reproduce
+    from powerlens._src.runtime.threads import SINGLE_THREAD_XLA, XLA_THREADS
     monkeypatch.delenv(XLA_THREADS, raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_hlo_as_text")
     monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)

@@ -37,8 +37,8 @@ import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[3])
 import hf_tiny_decoders as T
 import powerlens as pl
-from powerlens.dynamics import execution
-from powerlens.dynamics.params import MODEL_SPLIT
+from powerlens._src.dynamics import execution
+from powerlens._src.dynamics.params import MODEL_SPLIT
 folder, out = sys.argv[1], sys.argv[2]
 assert jax.device_count() == 8
 T.build("llama", folder, seed=3, vocab_size=64, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
@@ -145,7 +145,7 @@ for label, m in (("model8", sharded), ("data2_model4", s4)):
     cmp(f"{label} steer token target_prob", tw_.target_prob, ts_.target_prob)
 
 # ---- a [model] sweep on the sharded model (the engine's loaded model replaced by it)
-from powerlens.sweeps import systems
+from powerlens._src.sweeps import systems
 spec = {"name": "sharded", "grid": {"steps": [3, 5]}, "model": {"name": folder, "layers": [0, 1], "prompts": texts}}
 df_whole = pl.sweep(spec, progress=False)
 systems._model.cache_clear(); systems._model_inputs.cache_clear(); systems._model_spectrum.cache_clear()
@@ -211,9 +211,9 @@ def test_one_rule_per_field_and_the_mesh_checks():
 
     import jax
     import powerlens as pl
-    from powerlens.dynamics import execution
-    from powerlens.dynamics.params import MODEL_SPLIT
-    from powerlens.dynamics.parts import PARTS
+    from powerlens._src.dynamics import execution
+    from powerlens._src.dynamics.params import MODEL_SPLIT
+    from powerlens._src.dynamics.parts import PARTS
     fields = {name for part in PARTS.values() for name in part.names()}     # every array of every part
     assert set(MODEL_SPLIT) == fields
     n = jax.device_count()

@@ -18,11 +18,11 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from powerlens.analysis.spectra import layer_spectra  # noqa: E402
-from powerlens.dynamics.params import layer_matrices  # noqa: E402
-from powerlens.models import CheckpointError, embed, embed_ids, hidden_states, load, logits, resolve, run_states  # noqa: E402
-from powerlens.models.embed import tokenizer  # noqa: E402
-from powerlens.models.gguf_llama import GGUFFile, load_gguf, unpermute  # noqa: E402
+from powerlens._src.analysis.spectra import layer_spectra  # noqa: E402
+from powerlens._src.dynamics.params import layer_matrices  # noqa: E402
+from powerlens._src.models import CheckpointError, embed, embed_ids, hidden_states, load, logits, resolve, run_states  # noqa: E402
+from powerlens._src.models.embed import tokenizer  # noqa: E402
+from powerlens._src.models.gguf_llama import GGUFFile, load_gguf, unpermute  # noqa: E402
 
 PROMPT = "The capital of France is"
 

@@ -28,8 +28,8 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 import powerlens as pl  # noqa: E402
-from powerlens.models import CheckpointError, resolve  # noqa: E402
-from powerlens.models.forward import final_norm  # noqa: E402
+from powerlens._src.models import CheckpointError, resolve  # noqa: E402
+from powerlens._src.models.forward import final_norm  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Power iteration finds the top eigenvector,", "Once upon a time"]
 LOGIT_ATOL = 5e-4

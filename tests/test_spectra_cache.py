@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import powerlens as pl
-from powerlens.analysis import spectra as S
-from powerlens.dynamics import cache
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.models.base import Model, ModelInfo
+from powerlens._src.analysis import spectra as S
+from powerlens._src.dynamics import cache
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.models.base import Model, ModelInfo
 
 D, H, E, L, VOCAB = 8, 2, 3, 2, 5
 PROMPTS = [[1, 2, 3, 4], [4, 0, 2]]
@@ -127,7 +127,7 @@ def test_the_entry_goes_with_the_weights():
 def test_the_one_layer_at_a_time_path_is_kept_too(monkeypatch):
     """A model too large for every F_t at once gets its spectra one layer at a time
     (``spectra_by_layer``): computed once as well, the same numbers as the whole stack's."""
-    from powerlens.analysis import alignment
+    from powerlens._src.analysis import alignment
     count = [0]
     real = alignment.spectra_by_layer
 

@@ -66,9 +66,9 @@ def test_help_and_usage_errors_import_no_numerical_library():
 
 def test_help_names_every_command_alias_and_choice():
     from powerlens import cli
-    from powerlens.analysis.spectra import ORDERS
-    from powerlens.dynamics import ATTENTION_MODES, RULES
-    from powerlens.models.load import ALIASES, ASSEMBLED
+    from powerlens._src.analysis.spectra import ORDERS
+    from powerlens._src.dynamics import ATTENTION_MODES, RULES
+    from powerlens._src.models.load import ALIASES, ASSEMBLED
     assert (cli.ATTENTION_MODES, cli.RULES, cli.ORDERS) == (ATTENTION_MODES, RULES, ORDERS)
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
@@ -106,13 +106,13 @@ def _compare(ours, ref, prompts=PROMPTS):
 
 @pytest.fixture(scope="module")
 def minilm():
-    from powerlens.models import load
+    from powerlens._src.models import load
     return load("minilm")
 
 
 def test_minilm_tokenizer_is_tokenizers_with_the_ids_of_transformers(minilm):
     from transformers import AutoTokenizer
-    from powerlens.models.embed import FolderTokenizer, tokenizer
+    from powerlens._src.models.embed import FolderTokenizer, tokenizer
     ours, ref = tokenizer(minilm), AutoTokenizer.from_pretrained(minilm.info.tokenizer)
     assert isinstance(ours, FolderTokenizer)
     _compare(ours, ref)
@@ -129,7 +129,7 @@ def test_tokenize_and_embed_give_what_the_transformers_ids_give(minilm):
     (0), unicode and short prompts; the file's own padding to 128 and truncation are off."""
     from transformers import AutoTokenizer
     import powerlens as pl
-    from powerlens.models.embed import padded_ids
+    from powerlens._src.models.embed import padded_ids
     ref = AutoTokenizer.from_pretrained(minilm.info.tokenizer)
     texts = ["x", "Ελληνικά και русский 🐱", "The cat sat on the mat, and then it sat on the dog."]
     ids = pl.tokenize(minilm, texts)
@@ -146,7 +146,7 @@ def test_tokenize_and_embed_give_what_the_transformers_ids_give(minilm):
 
 def test_a_folder_without_tokenizer_json_goes_through_transformers(minilm, tmp_path):
     import importlib
-    embed_module = importlib.import_module("powerlens.models.embed")     # (powerlens.models.embed is the function)
+    embed_module = importlib.import_module("powerlens._src.models.embed")     # (powerlens._src.models.embed is the function)
     for f in ("vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(os.path.join(minilm.info.tokenizer, f), tmp_path / f)
     assert embed_module.folder_tokenizer(str(tmp_path)) is None
@@ -158,8 +158,8 @@ def test_a_folder_without_tokenizer_json_goes_through_transformers(minilm, tmp_p
 @pytest.fixture(scope="module")
 def smollm2_folder(tmp_path_factory):
     """SmolLM2's tokenizer (from its GGUF file) saved as a Hugging Face folder."""
-    from powerlens.models import CheckpointError, resolve
-    from powerlens.models.gguf_tokenizer import gguf_tokenizer
+    from powerlens._src.models import CheckpointError, resolve
+    from powerlens._src.models.gguf_tokenizer import gguf_tokenizer
     try:
         path = resolve("smollm2")
     except CheckpointError as exc:
@@ -181,7 +181,7 @@ def test_byte_level_bpe_folder_with_and_without_bos(smollm2_folder, bos):
     agree; with a BOS template in tokenizer.json (as Llama folders have) every prompt starts
     with BOS in both, whatever tokenizer_config.json's add_bos_token says."""
     from transformers import AutoTokenizer
-    from powerlens.models.embed import FolderTokenizer, folder_tokenizer
+    from powerlens._src.models.embed import FolderTokenizer, folder_tokenizer
     folder, gguf_tok = smollm2_folder
     if bos:
         folder = folder.parent / "with_bos"
@@ -211,7 +211,7 @@ def test_byte_level_bpe_folder_with_and_without_bos(smollm2_folder, bos):
 
 def test_align_imports_no_transformers_and_no_scipy_stats(tmp_path):
     """The modules ``powerlens align minilm`` needs, and MiniLM's tokenizer, in a fresh process."""
-    code = ("import sys\nimport powerlens.commands.models\nfrom powerlens.models import load, tokenize\n"
+    code = ("import sys\nimport powerlens._src.commands.models\nfrom powerlens._src.models import load, tokenize\n"
             "print(tokenize(load('minilm'), ['The cat sat.']))\n"
             "print(sorted(m for m in ('transformers', 'torch', 'scipy.stats', 'scipy.linalg', 'pandas', 'pyarrow', "
             "'tqdm', 'optax') if m in sys.modules))")
@@ -222,7 +222,7 @@ def test_align_imports_no_transformers_and_no_scipy_stats(tmp_path):
 
 def test_binomial_pvalue_is_scipy_stats_binom_sf_bit_for_bit():
     from scipy import stats
-    from powerlens.analysis.measures import binomial_pvalue
+    from powerlens._src.analysis.measures import binomial_pvalue
     for n in (1, 2, 9, 40, 1000, 65536):
         k = np.arange(-2, n + 3)
         for p in (0.5, 0.1, 0.0, 1.0):

@@ -1,13 +1,13 @@
 """What a short command loads, and the pieces that keep it short.
 
-* No module of powerlens imports flax: the pytrees are :mod:`powerlens.dynamics.struct`
+* No module of powerlens imports flax: the pytrees are :mod:`powerlens._src.dynamics.struct`
   (``jax.tree_util.register_dataclass``), with flax's semantics: frozen, ``replace``, static
   fields in the tree structure, leaves the other fields.
 * ``powerlens align``'s modules import neither flax nor matplotlib up front (the figure's
   modules are imported while the spectra are computed).
 * A GGUF file's tokenizer is ``tokenizers`` alone: no transformers in the process, and the ids,
   BOS/EOS ids and decoding SmolLM2's file gives.
-* :class:`powerlens.commands.models.InBackground` returns the value, or raises the exception,
+* :class:`powerlens._src.commands.models.InBackground` returns the value, or raises the exception,
   of the function it ran; an error in ``align`` while the spectra run in it exits with status 2.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_no_module_of_powerlens_imports_flax():
 
 
 def test_struct_dataclass_is_a_frozen_pytree_with_static_fields():
-    from powerlens.dynamics import struct
+    from powerlens._src.dynamics import struct
 
     @struct.dataclass
     class Pair:
@@ -69,8 +69,8 @@ def test_struct_dataclass_is_a_frozen_pytree_with_static_fields():
 
 
 def test_the_library_pytrees_keep_their_static_config():
-    from powerlens.dynamics import Layers
-    from powerlens.dynamics.synthetic import synthetic_system
+    from powerlens._src.dynamics import Layers
+    from powerlens._src.dynamics.synthetic import synthetic_system
     layers = synthetic_system([2.0, 0.5], kind="normal", heads=1, d=4, steps=3)
     assert isinstance(layers, Layers)
     leaves, tree = jax.tree_util.tree_flatten(layers)
@@ -80,7 +80,7 @@ def test_the_library_pytrees_keep_their_static_config():
 
 
 def test_align_modules_import_no_flax_and_no_matplotlib():
-    code = ("import sys\nimport powerlens.commands.models, powerlens.models, powerlens.sweeps.systems\n"
+    code = ("import sys\nimport powerlens._src.commands.models, powerlens._src.models, powerlens._src.sweeps.systems\n"
             "print(sorted(m for m in ('flax', 'matplotlib', 'transformers', 'torch') if m in sys.modules))")
     r = _python(code)
     assert r.returncode == 0, r.stderr
@@ -88,15 +88,15 @@ def test_align_modules_import_no_flax_and_no_matplotlib():
 
 
 def test_gguf_tokenizer_is_tokenizers_without_transformers():
-    from powerlens.models import CheckpointError, resolve
+    from powerlens._src.models import CheckpointError, resolve
     try:
         path = resolve("smollm2")
     except CheckpointError as exc:
         pytest.skip(f"SmolLM2 GGUF not installed: {exc}")
     code = f"""
 import sys
-from powerlens.models.embed import FolderTokenizer
-from powerlens.models.gguf_tokenizer import gguf_tokenizer
+from powerlens._src.models.embed import FolderTokenizer
+from powerlens._src.models.gguf_tokenizer import gguf_tokenizer
 tok = gguf_tokenizer({path!r})
 ids = tok("The capital of France is")["input_ids"]
 chat = tok("<|im_start|>user\\nhi<|im_end|>")["input_ids"]
@@ -112,7 +112,7 @@ print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))
 
 
 def test_in_background_returns_the_value_or_raises_the_error():
-    from powerlens.commands.models import InBackground
+    from powerlens._src.commands.models import InBackground
     assert InBackground(lambda a, b=0: a + b, 2, b=3).result() == 5
 
     def fails():

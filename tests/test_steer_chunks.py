@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_steer_token import D, tiny_decoder  # noqa: E402
 
 import powerlens as pl  # noqa: E402
-import powerlens.steering.optimize as O  # noqa: E402
-from powerlens.steering.progress import SteerProgress  # noqa: E402
+import powerlens._src.steering.optimize as O  # noqa: E402
+from powerlens._src.steering.progress import SteerProgress  # noqa: E402
 
 X0 = np.random.default_rng(0).normal(size=(2, 3, D)).astype(np.float32)
 TOKEN = dict(objective="token", target_prob=[0.3, 0.9], max_kl=5.0, controls=[[1, 2], [3]])
@@ -47,7 +47,7 @@ _REAL = O.solve_in_chunks
 
 @pytest.mark.parametrize("param", ["lowrank", "activation"])
 def test_token_chunks_equal_one_scan(monkeypatch, param):
-    import powerlens.steering.token as T
+    import powerlens._src.steering.token as T
     model = tiny_decoder(1, vocab=5)
     runs = []
     for chunk in (3, 1000):
@@ -70,8 +70,8 @@ def test_alignment_chunks_equal_one_scan(monkeypatch, param):
 
 
 def test_every_call_of_the_loop_has_one_length(monkeypatch):
-    import powerlens.steering.lagrangian as G
-    from powerlens.steering.lagrangian import chunk_length
+    import powerlens._src.steering.lagrangian as G
+    from powerlens._src.steering.lagrangian import chunk_length
     assert [chunk_length(s, 25) for s in (1, 25, 26, 30, 51, 100)] == [1, 25, 13, 15, 17, 25]
     assert [chunk_length(7, 3), chunk_length(6, 3), chunk_length(8, 3)] == [3, 3, 3]
     lengths, real = [], G.map_targets
@@ -134,7 +134,7 @@ def counted(*a, **k):
 compiler.backend_compile_and_load = counted           # every compilation that does not come from the cache
 from test_steer_token import D, tiny_decoder
 import powerlens as pl
-from powerlens.steering.progress import SteerProgress
+from powerlens._src.steering.progress import SteerProgress
 import io
 model = tiny_decoder(1, vocab=5)
 x0 = np.random.default_rng(0).normal(size=(2, 3, D)).astype(np.float32)

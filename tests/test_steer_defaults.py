@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.dynamics.params import make_layers, value_matrix
-from powerlens.steering import layer_w_choice, minimal_alpha, optimize_steering, rank1
+from powerlens._src.dynamics.params import make_layers, value_matrix
+from powerlens._src.steering import layer_w_choice, minimal_alpha, optimize_steering, rank1
 
 D, E = 8, 4
 
@@ -137,7 +137,7 @@ def test_cli_optimize_reports_norm_and_rank_not_alpha(weights, tmp_path, capsys)
 
 def test_cli_optimize_without_a_feasible_change_is_an_error(weights, tmp_path, capsys, monkeypatch):
     """An optimiser run that found no feasible change (its factors are NaN) is refused, not written."""
-    import powerlens.steering as steering
+    import powerlens._src.steering as steering
     real = steering.optimize_steering
 
     def infeasible(*args, **kwargs):
@@ -165,7 +165,7 @@ PROMPT = ["--direction", "token:London", "--text", "The capital of France is"]
 
 
 def _steer_model(name, out, *extra):
-    from powerlens.models import CheckpointError, resolve
+    from powerlens._src.models import CheckpointError, resolve
     try:
         resolve(name)
     except CheckpointError as exc:

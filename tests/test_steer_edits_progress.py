@@ -167,7 +167,7 @@ def test_progress_lines_on_stderr(run):
 
 def test_progress_is_bitwise_neutral_and_quiet_is_silent():
     from test_steer_token import tiny_decoder
-    from powerlens.steering.progress import SteerProgress
+    from powerlens._src.steering.progress import SteerProgress
     model = tiny_decoder(1, vocab=5)
     x0 = np.random.default_rng(0).normal(size=(2, 3, 6)).astype(np.float32)
     kw = dict(objective="token", target_prob=[0.3, 0.9], max_kl=5.0, controls=[[1, 2], [3]], steps=20)
@@ -219,7 +219,7 @@ def test_missed_targets_say_not_reached(run):
 
 
 def test_kl_is_never_negative(run):
-    from powerlens.steering.compare import kl_rows
+    from powerlens._src.steering.compare import kl_rows
     conds = run["doc"]["effects"]["conditions"]
     assert conds["before"]["control_kl_mean"] == 0.0                  # the unedited model: exactly 0
     assert all(c["control_kl_mean"] >= 0.0 for c in conds.values())
@@ -232,8 +232,8 @@ def test_kl_is_never_negative(run):
 
 
 def test_frontier_leaves_failed_points_off_the_axes(monkeypatch, tmp_path):
-    import powerlens.analysis.plots as plots
-    from powerlens.steering.compare import plot_frontier
+    import powerlens._src.analysis.plots as plots
+    from powerlens._src.steering.compare import plot_frontier
     seen = {}
     real = plots.save_figure
 

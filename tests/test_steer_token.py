@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import powerlens as pl
-from powerlens.dynamics.params import LayerConfig, make_layers
-from powerlens.models.base import Model, ModelInfo
+from powerlens._src.dynamics.params import LayerConfig, make_layers
+from powerlens._src.models.base import Model, ModelInfo
 
 D, H, E, VOCAB = 6, 2, 3, 2
 
@@ -92,7 +92,7 @@ def test_reported_probability_is_the_models_own():
     """The saved edit, applied with pl.steered_model and run through pl.run_states(rule='full')
     and pl.logits, gives the reported target probability (1e-3); so does the activation vector,
     added as the FFN output bias of the edited block."""
-    from powerlens.steering.compare import activation_model
+    from powerlens._src.steering.compare import activation_model
     model = tiny_decoder(2, vocab=3)
     ids = np.array([[1, 0, 2], [2, 1, 0]])
     valid = np.array([[True, True, True], [True, True, False]])
@@ -192,7 +192,7 @@ def test_returned_edits_end_on_the_boundary_of_the_feasible_set():
     (5 nats), the worst prompt's p(target), recomputed with pl.steered_model (or the activation
     model) through run_states(rule='full') and pl.logits, is at target_prob (to 1e-3), and 0.99
     times the same edit no longer reaches it at every prompt."""
-    from powerlens.steering.compare import activation_model
+    from powerlens._src.steering.compare import activation_model
     model = tiny_decoder(2, vocab=3)
     ids = np.array([[1, 0, 2], [2, 1, 0]])
     valid = np.array([[True, True, True], [True, True, False]])

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("gguf")
 
 import powerlens as pl  # noqa: E402
-from powerlens.models import CheckpointError, resolve  # noqa: E402
+from powerlens._src.models import CheckpointError, resolve  # noqa: E402
 
 pytestmark = pytest.mark.slow         # a real model, two optimisations and the effects: ~1 minute
 

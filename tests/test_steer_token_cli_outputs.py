@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 import powerlens as pl  # noqa: E402
 from next_token import last_token_probs  # noqa: E402
-from powerlens.steering.token import CONTROL_PROMPTS  # noqa: E402
+from powerlens._src.steering.token import CONTROL_PROMPTS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_tiny_decoders as T  # noqa: E402

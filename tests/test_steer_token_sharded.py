@@ -19,7 +19,7 @@ import sys
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[2])
 import powerlens as pl
-from powerlens.steering import token as T
+from powerlens._src.steering import token as T
 from test_steer_token import tiny_decoder
 model = tiny_decoder(2, vocab=3)
 ids = np.array([[1, 0, 2], [2, 1, 0]])
@@ -28,7 +28,7 @@ res = pl.optimize_steering(model, x0, [1, 2, 1], objective="token", valid=valid,
                            max_kl=5.0, controls=[[1, 2, 0]], rank=2, steps=30, lr=1e-2)
 # the sharded program itself: its outputs live on every device
 pre = {"X": jnp.zeros((2, 3, 6), jnp.float32)}
-from powerlens.steering.lagrangian import map_targets
+from powerlens._src.steering.lagrangian import map_targets
 out = map_targets(lambda pre, t: {"y": pre["X"].sum() + t}, 1, (pre,), (jnp.arange(3.0),), {})
 np.savez(sys.argv[1], delta_O=res.delta_O, norm=res.norm, target_prob=res.target_prob, feasible=res.feasible,
          closed_norm=res.closed_norm, history_norm=res.history_norm, devices=jax.device_count(),

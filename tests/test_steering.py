@@ -8,16 +8,16 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from powerlens.dynamics import synthetic as S
-from powerlens.dynamics.layer import layer_step
-from powerlens.dynamics.params import LayerConfig, make_layers, value_matrix
-from powerlens.models.base import Model, ModelInfo
-from powerlens.steering import (alignment_alpha, as_direction, checkpoint_delta, minimal_alpha, optimize_steering,
+from powerlens._src.dynamics import synthetic as S
+from powerlens._src.dynamics.layer import layer_step
+from powerlens._src.dynamics.params import LayerConfig, make_layers, value_matrix
+from powerlens._src.models.base import Model, ModelInfo
+from powerlens._src.steering import (alignment_alpha, as_direction, checkpoint_delta, minimal_alpha, optimize_steering,
                                 output_effects, parse_direction, principal_alpha, rank1)
-from powerlens.models.embed import embed_ids, pad_ids
-from powerlens.steering.effects import forward_final
-from powerlens.steering.optimize import run_tail
-from powerlens.steering.rank1 import host_matrices
+from powerlens._src.models.embed import embed_ids, pad_ids
+from powerlens._src.steering.effects import forward_final
+from powerlens._src.steering.optimize import run_tail
+from powerlens._src.steering.rank1 import host_matrices
 
 
 def real_eigvec(F, target):
@@ -130,7 +130,7 @@ def test_checkpoint_delta_steers_transformers_like_powerlens(tmp_path, kind):
     pytest.importorskip("transformers")
     import torch
     import hf_tiny_decoders as T
-    from powerlens.models import embed_ids, hidden_states, load, logits
+    from powerlens._src.models import embed_ids, hidden_states, load, logits
 
     hf = T.build(kind, str(tmp_path / kind), seed=3, head=True)
     model = load(str(tmp_path / kind))

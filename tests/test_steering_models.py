@@ -6,16 +6,16 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from powerlens.steering import (alignment_alpha, entering_states, optimize_steering, output_effects,
+from powerlens._src.steering import (alignment_alpha, entering_states, optimize_steering, output_effects,
                                 parse_direction, rank1)
-from powerlens.steering.optimize import run_tail
+from powerlens._src.steering.optimize import run_tail
 
 TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "I like green tea in the morning."]
 
 
 def _load(name):
     try:
-        import powerlens.models as M
+        import powerlens._src.models as M
         return M.load(name)
     except Exception as exc:  # noqa: BLE001 - any failure to load means: skip, saying why
         pytest.skip(f"cannot load {name!r} here: {type(exc).__name__}: {exc}")
@@ -23,7 +23,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def minilm():
-    import powerlens.models as M
+    import powerlens._src.models as M
     m = _load("minilm")
     x0, valid = M.embed(m, TEXTS)
     u = parse_direction("token:king", model=m)
@@ -71,7 +71,7 @@ def test_minilm_one_step_relation_and_gradient(minilm):
 
 
 def test_minilm_effects(minilm):
-    import powerlens.models as M
+    import powerlens._src.models as M
     m, x0, valid, u = minilm
     r = rank1(m.layers, u.vector, alpha=50.0, w="value", spectrum=False)
     eff = output_effects(m, u.vector, r.delta_O, TEXTS)
@@ -90,7 +90,7 @@ def test_smollm2_steer_toward_token():
     m = _load("smollm2")
     d = parse_direction("token:Paris", model=m)
     assert d.token == " Paris"
-    from powerlens.models.embed import tokenizer
+    from powerlens._src.models.embed import tokenizer
     assert tokenizer(m).decode([d.token_id]).strip() == "Paris"
     r = rank1(m.layers, d.vector, alpha=20.0, w="value", spectrum=False)
     eff = output_effects(m, d.vector, r.delta_O, ["My favourite city is"], target_id=d.token_id, k=3,

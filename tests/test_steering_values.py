@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_steer_token import D, tiny_decoder  # noqa: E402
 
 import powerlens as pl  # noqa: E402
-from powerlens.steering.lagrangian import default_optimizer  # noqa: E402
+from powerlens._src.steering.lagrangian import default_optimizer  # noqa: E402
 
 X0 = np.random.default_rng(0).normal(size=(2, 3, D)).astype(np.float32)
 U = np.random.default_rng(1).normal(size=(2, D))
@@ -60,6 +60,42 @@ def test_config_and_edit_are_checked():
         pl.optimize_steering(model.layers, X0, goal, optimizer="adam")
     with pytest.raises(TypeError, match="target"):
         pl.optimize_steering(model.layers, X0, goal, target=0.5)
+
+
+@pytest.mark.parametrize("config, match", [
+    (lambda: pl.SteeringConfig(dynamics="paper"), "SteeringConfig.dynamics must be a powerlens.Dynamics"),
+    (lambda: pl.SteeringConfig(dynamics=pl.Dynamics(attention_block=4)), "SteeringConfig.dynamics.attention_block"),
+])
+def test_steering_config_checks_its_dynamics(config, match):
+    with pytest.raises(ValueError, match=match) as err:
+        config()
+    assert "\n" not in str(err.value)
+
+
+def test_the_token_objective_refuses_other_dynamics():
+    model = tiny_decoder(1, vocab=5)
+    cfg = pl.SteeringConfig(steps=2, dynamics=pl.Dynamics.faithful())
+    with pytest.raises(ValueError, match="token objective runs the model's own forward"):
+        pl.optimize_steering(model, X0, pl.TokenObjective([0]), config=cfg)
+
+
+def test_config_dynamics_is_the_run_that_is_steered():
+    """SteeringConfig(dynamics=...) steers that run: the same numbers as the deprecated keywords
+    rule=/attention=/keep_bias=, ``faithful`` resolved to the model's rule (pre_ln for this
+    pre-norm decoder), and another rule gives another edit."""
+    layers = tiny_decoder(1, vocab=5).layers
+    goal = pl.AlignmentObjective(U, target=0.9)
+    fields = ("factor_P", "factor_Q", "norm", "alignment", "history_norm")
+    got = {}
+    for dyn in (pl.Dynamics(rule="pre_ln", attention="uniform", keep_bias=False), pl.Dynamics.faithful()):
+        got[dyn] = pl.optimize_steering(layers, X0, goal, config=pl.SteeringConfig(steps=6, dynamics=dyn))
+        with pytest.warns(DeprecationWarning):
+            old = pl.optimize_steering(layers, X0, U, target=0.9, steps=6, rule="pre_ln", attention=dyn.attention,
+                                       keep_bias=dyn.keep_bias)
+        _same(got[dyn], old, fields)
+        assert got[dyn].rule == "pre_ln"
+    paper = pl.optimize_steering(layers, X0, goal, config=pl.SteeringConfig(steps=6))
+    assert paper.rule == "paper" and not np.array_equal(paper.history_norm, got[pl.Dynamics.faithful()].history_norm)
 
 
 def _same(a, b, fields):
@@ -102,11 +138,11 @@ def test_token_values_equal_the_keyword_form_and_take_any_optax():
 
 
 def test_edits_module_breaks_the_cycle():
-    import powerlens.steering.token as T
+    import powerlens._src.steering.token as T
     tree = ast.parse(open(T.__file__).read())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "optimize" not in imported and "edits" in imported
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert not any(name.startswith("_") and name != "__future__" for name in names - {"annotations"})
-    from powerlens.steering import edits
+    from powerlens._src.steering import edits
     assert set(edits.EDITS) == {"lowrank", "w_alpha", "activation"}

@@ -9,15 +9,15 @@ import sys
 import numpy as np
 
 import powerlens as pl
-from powerlens.analysis.spectra import sweep_subspaces
-from powerlens.dynamics.execution import TUNING, micro_size, padded_size
-from powerlens.dynamics.sweep import simulate_sweep, stack_systems
+from powerlens._src.analysis.spectra import sweep_subspaces
+from powerlens._src.dynamics.execution import TUNING, micro_size, padded_size
+from powerlens._src.dynamics.sweep import simulate_sweep, stack_systems
 
 SCRIPT = r"""
 import numpy as np, jax
 import powerlens as pl
-from powerlens.analysis.spectra import sweep_subspaces
-from powerlens.dynamics.sweep import stack_systems, simulate_sweep
+from powerlens._src.analysis.spectra import sweep_subspaces
+from powerlens._src.dynamics.sweep import stack_systems, simulate_sweep
 S = 19      # 10 per device: padded to 16, two micro-batches of 8 each
 systems = [pl.synthetic_system([2.0, 0.5 + 0.5j], kind="normal", heads=2, d=6, seed=i, steps=12) for i in range(S)]
 _, subs = sweep_subspaces(systems)
@@ -64,7 +64,7 @@ def test_traced_shared_layer_is_read_through_in_out_copies_built_once():
     the concrete path. (Measured: benchmarks/vs_torch.py's sweep D, 0.91-0.92 of the time.)"""
     import jax
 
-    from powerlens.dynamics.run import run
+    from powerlens._src.dynamics.run import run
     L = pl.synthetic_system([1.4, 0.3], kind="symmetric", heads=2, d=8, d_head=5, seed=1, steps=4)
     x0 = pl.sphere_tokens(np.random.default_rng(0), 5, 8).astype(np.float32)
     states = lambda lay: run(lay, x0, None, rule="paper", attention="softmax", observers={"states": pl.states()})["states"]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from powerlens.cli import main
-from powerlens.runtime import distributed
+from powerlens._src.runtime import distributed
 from test_sweep_engine import KILL
 
 SPEC = KILL                   # the resume test's spec: one compilation (persistent cache) for both files
@@ -124,7 +124,7 @@ def test_settings_from_the_environment(monkeypatch):
 
 
 def test_local_workers_get_one_thread_each_when_they_fill_the_cores(monkeypatch):
-    from powerlens.runtime.threads import XLA_THREADS, worker_env
+    from powerlens._src.runtime.threads import XLA_THREADS, worker_env
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv(XLA_THREADS, raising=False)
     env = worker_env(2, cores=2)
@@ -143,7 +143,7 @@ def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose():
     """`powerlens sweep` runs every process, one or many, without Eigen's intra-op threads:
     with them, XLA's results moved in the last bits with the thread count (one process against
     two single-threaded workers), and the parquet files of the tests above differed."""
-    from powerlens.runtime.threads import XLA_THREADS, same_numbers_xla
+    from powerlens._src.runtime.threads import XLA_THREADS, same_numbers_xla
     env = {"XLA_FLAGS": "--xla_dump_hlo_as_text"}
     assert same_numbers_xla(env) and env["XLA_FLAGS"] == "--xla_dump_hlo_as_text --xla_cpu_multi_thread_eigen=false"
     assert not same_numbers_xla(env) and env["XLA_FLAGS"].count("multi_thread_eigen") == 1     # once
@@ -151,7 +151,7 @@ def test_same_numbers_xla_turns_eigens_threads_off_unless_the_user_chose():
         before = dict(chosen)
         assert not same_numbers_xla(chosen) and chosen == before
     import jax
-    from powerlens.dynamics.execution import backends_initialized
+    from powerlens._src.dynamics.execution import backends_initialized
     jax.devices()                                   # this process's backend has started: too late, and
     assert backends_initialized()                   # `powerlens sweep` then leaves its environment alone
 
@@ -162,7 +162,7 @@ def test_start_xla_starts_the_backend_on_one_core_then_gives_the_cores_back(monk
     it does nothing unless asked, or once a backend has started."""
     import jax
     from jax._src import xla_bridge
-    from powerlens.runtime import threads
+    from powerlens._src.runtime import threads
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
     calls = []
@@ -182,10 +182,10 @@ def test_start_xla_starts_the_backend_on_one_core_then_gives_the_cores_back(monk
 def test_start_xla_in_a_fresh_process_keeps_every_core_for_the_os():
     """In a real process: the backend has started, and every thread of it (XLA's too) may run on
     all the process's cores."""
-    from powerlens.runtime.threads import XLA_THREADS
+    from powerlens._src.runtime.threads import XLA_THREADS
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
-    code = ("import os; from powerlens.runtime.threads import start_xla; from jax._src import xla_bridge; "
+    code = ("import os; from powerlens._src.runtime.threads import start_xla; from jax._src import xla_bridge; "
             "before = os.sched_getaffinity(0); print(start_xla(), xla_bridge.backends_are_initialized(), "
             "all(os.sched_getaffinity(int(t)) == before for t in os.listdir('/proc/self/task')))")
     env = dict(os.environ, **{XLA_THREADS: "1"})

