@@ -92,7 +92,7 @@ def fused_attention_entries(name, model, B, n, x0, valid, add, repeat):
 def steering_problem(model, K, steps):
     """Workload E (the problem of benchmarks/steering.py and of vs_torch.py's workload E): the
     vmapped optimiser alone on the prepared problem, and the public API end to end."""
-    from powerlens._src.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens._src.steering.optimize import AlignSettings, last_layer_terms, prepare_problem, solve_many_jit
     from powerlens._src.steering.rank1 import host_matrices
     L = model.layers
     x0, valid = pl.embed(model, ["The cat sat quietly on the warm windowsill.",
@@ -106,7 +106,7 @@ def steering_problem(model, K, steps):
     opt = dict(target=0.9, reduce="min", param="lowrank", rank=1, steps=steps, lr=1e-2, mu=100.0, dual_every=10,
                tol=1e-4, signed=False)
     kw = dict(opt, layer=l, tail=tail, rule="paper", attention="softmax", keep_bias=kb, w_kind="value")
-    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, **kw)
+    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, settings=AlignSettings(**kw))
     api = lambda: pl.optimize_steering(
         L, x0, pl.AlignmentObjective(D, opt["target"], opt["reduce"], opt["signed"]), valid=valid,
         config=pl.SteeringConfig(rank=opt["rank"], steps=steps, lr=opt["lr"], mu=opt["mu"],

@@ -106,8 +106,8 @@ import benchdoc  # noqa: E402
 
 import powerlens as pl  # noqa: E402
 from powerlens._src.dynamics import synthetic as S  # noqa: E402
-from powerlens._src.steering.optimize import (last_layer_terms, optimize_steering, prepare_problem,  # noqa: E402
-                                         solve_many_jit, solve_many_sharded, solve_one_jit)
+from powerlens._src.steering.optimize import (AlignSettings, last_layer_terms, optimize_steering,  # noqa: E402
+                                              prepare_problem, solve_many_jit, solve_many_sharded, solve_one_jit)
 from powerlens._src.steering.rank1 import host_matrices  # noqa: E402
 
 
@@ -218,11 +218,11 @@ def powerlens_token_loop(model, prob, U, target_ids, log_targets, params0, n0, *
     compiled program, vmapped over the targets, sharded over the devices. Returns
     constrained_adam's dict with a leading K axis."""
     from powerlens._src.steering.optimize import map_targets
-    from powerlens._src.steering.token import token_adam
+    from powerlens._src.steering.token import TokenSettings, token_adam
     c, l = TOKEN_CONFIG, prob["layer"]
-    static = dict(layer=l, tail=(l,), n_prompts=prob["n_prompts"], param="lowrank", max_kl=c["max_kl"],
-                  steps=int(steps), lr=c["lr"], mu=c["mu"], dual_every=c["dual_every"], tol=c["tol"],
-                  lr_floor=c["lr_floor"])
+    static = {"settings": TokenSettings(layer=l, tail=(l,), n_prompts=prob["n_prompts"], param="lowrank",
+                                        max_kl=c["max_kl"], steps=int(steps), lr=c["lr"], mu=c["mu"],
+                                        dual_every=c["dual_every"], tol=c["tol"], lr_floor=c["lr_floor"])}
     shared = (model, prob["pre"], jnp.asarray(prob["valid"]), prob["last"], prob["base_logp"])
     return map_targets(token_adam, 5, shared, (U, target_ids, log_targets, params0, n0), static)
 
@@ -657,6 +657,7 @@ def run_alignment(name, args):
     kw = dict(layer=l, tail=tail, rule="paper", attention="softmax", keep_bias=kb, target=0.9, reduce="min",
               param="lowrank", rank=1, steps=args.steps, lr=1e-2, mu=100.0, dual_every=10, tol=1e-4,
               w_kind="value", signed=False)
+    kw = {"settings": AlignSettings(**kw)}
     vec1 = lambda: solve_many_jit(layers, X, vb, U, keys, R, None, pm, **kw)
     vec = lambda: solve_many_sharded(layers, X, vb, U, keys, R, None, pm, **kw)
     loop = lambda: [solve_one_jit(layers, X, vb, U[i], keys[i], R, None, pm, **kw) for i in range(len(D))]

@@ -676,7 +676,7 @@ def workload_e(model, K, steps, timing, report, check_steps=40):
       self_rel_*        float32 against float64 powerlens: the spread float32 itself causes, the
                         scale that the float32 differences above are to be read against;
     and closed_rel_max (the bisection for the closed form, not chaotic: float32 rounding, ~1e-6)."""
-    from powerlens._src.steering.optimize import last_layer_terms, prepare_problem, solve_many_jit
+    from powerlens._src.steering.optimize import AlignSettings, last_layer_terms, prepare_problem, solve_many_jit
     from powerlens._src.steering.rank1 import host_matrices
     L = model.layers
     cfg = L.config
@@ -698,7 +698,7 @@ def workload_e(model, K, steps, timing, report, check_steps=40):
               reduce=c["reduce"], param="lowrank", rank=c["rank"], steps=steps, lr=c["lr"], mu=c["mu"],
               dual_every=c["dual_every"], tol=c["tol"], w_kind="value", signed=c["signed"],
               bisect_iters=c["bisect_iters"], lr_floor=c["lr_floor"])
-    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, **kw)
+    solve = lambda: solve_many_jit(L, X, vb, U, keys, R, None, pm, settings=AlignSettings(**kw))
     ours = jax.tree_util.tree_map(np.asarray, solve())
     # solve_one's initial noise (overwritten in column 0; all of it at rank 1), drawn from the same keys
     kp1, km, r = pm["Bp"].shape[1] + 1, pm["Bm"].shape[1], c["rank"]
@@ -718,9 +718,9 @@ def workload_e(model, K, steps, timing, report, check_steps=40):
         L64 = jax.tree_util.tree_map(f64, L)
         pm64 = {k: f64(v) for k, v in pm.items()}
         args64 = (L64, f64(X), vb, f64(U), keys, f64(R), None, pm64)
-        ours64 = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, **kw))
+        ours64 = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, settings=AlignSettings(**kw)))
         short = dict(kw, steps=min(check_steps, steps))
-        ours64s = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, **short))
+        ours64s = jax.tree_util.tree_map(np.asarray, solve_many_jit(*args64, settings=AlignSettings(**short)))
     t64 = [a if a.dtype == torch.bool else a.double() for a in targs]
     theirs64s = {k: v.numpy() for k, v in torch_steer(*t64, **dict(c, steps=short["steps"])).items()}
     self_cmp = compare_steering(ours, ours64)

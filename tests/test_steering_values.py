@@ -146,3 +146,25 @@ def test_edits_module_breaks_the_cycle():
     assert not any(name.startswith("_") and name != "__future__" for name in names - {"annotations"})
     from powerlens._src.steering import edits
     assert set(edits.EDITS) == {"lowrank", "w_alpha", "activation"}
+
+
+def test_the_compiled_loops_take_one_static_value():
+    """solve_one, solve_token_one, their phases and token_adam take everything static as one
+    hashable settings value (their only keyword-only parameter besides a phase's length n)."""
+    import dataclasses
+    import inspect
+    import powerlens._src.steering.optimize as O
+    import powerlens._src.steering.token as T
+    for fn in (O.solve_one, O.solve_many, O.solve_many_sharded, O.align_start, O.align_advance, O.align_finish,
+               T.solve_token_one, T.token_start, T.token_advance, T.token_finish, T.token_adam):
+        kwonly = {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+        assert kwonly <= {"settings", "n"} and "settings" in kwonly, (fn.__name__, kwonly)
+        assert not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()), fn.__name__
+    a = O.AlignSettings(layer=0, tail=(0,), rule="paper", attention="softmax", keep_bias=False, target=0.9,
+                        reduce="min", param="lowrank", rank=1, steps=3, lr=1e-2, mu=100.0, dual_every=10, tol=1e-4,
+                        w_kind="value")
+    t = T.TokenSettings(layer=0, tail=(0,), n_prompts=1, param="lowrank", max_kl=0.5, steps=3, lr=3e-3, mu=10.0,
+                        dual_every=10, tol=0.0)
+    for s in (a, t):
+        assert hash(s) == hash(dataclasses.replace(s)) and s == dataclasses.replace(s)
+        assert s != dataclasses.replace(s, steps=4)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -170,52 +170,88 @@ def _align_loop(align_params, n0, *, target, param, lr, steps, lr_floor, optimiz
     return size, constraints, opt
 
 
-def _problem_kw(st: dict) -> dict:
-    return {k: st[k] for k in ("layer", "tail", "rule", "attention", "keep_bias", "reduce", "param", "w_kind",
-                               "signed")}
+@dataclasses.dataclass(frozen=True)
+class AlignSettings:
+    """Everything static about one alignment-steering loop, as one hashable value (the one
+    ``jit`` static argument of :func:`solve_one` and its phases).
+
+    layer: the steered unique layer; tail: the steps its edit reaches (``prepare_problem``);
+    rule, attention, keep_bias: the run (a resolved :class:`~powerlens._src.dynamics.options.
+    Dynamics`'s fields, keep_bias a bool); target, reduce, signed: the constraint (final-token
+    alignment >= target, ``mean``/``min`` over valid tokens, cos or |cos|); param, rank: the
+    edit (``w_alpha`` or ``lowrank`` of rank r); w_kind: the closed-form w (``inverse`` or
+    ``value``); steps, lr, lr_floor, optimizer: the optimiser (default Adam on a cosine decay
+    from lr to lr_floor lr); mu, dual_every, tol: the augmented Lagrangian; bisect_iters: the
+    closed-form start's bisection."""
+
+    layer: int
+    tail: Tuple[int, ...]
+    rule: str
+    attention: str
+    keep_bias: bool
+    target: float
+    reduce: str
+    param: str
+    rank: int
+    steps: int
+    lr: float
+    mu: float
+    dual_every: int
+    tol: float
+    w_kind: str
+    bisect_iters: int = 40
+    lr_floor: float = 0.05
+    signed: bool = True
+    optimizer: Optional[optax.GradientTransformation] = None
 
 
-def _loop_kw(st: dict) -> dict:
-    return {"target": st["target"], "param": st["param"], "lr": st["lr"], "steps": st["steps"],
-            "lr_floor": st.get("lr_floor", 0.05), "optimizer": st.get("optimizer")}
+def _problem_kw(settings: AlignSettings) -> dict:
+    return {k: getattr(settings, k) for k in ("layer", "tail", "rule", "attention", "keep_bias", "reduce", "param",
+                                              "w_kind", "signed")}
 
 
-def align_start(layers, X, valid, R, positions, pm, u, key, **st):
+def _loop_kw(settings: AlignSettings) -> dict:
+    return {k: getattr(settings, k) for k in ("target", "param", "lr", "steps", "lr_floor", "optimizer")}
+
+
+def align_start(layers, X, valid, R, positions, pm, u, key, *, settings: AlignSettings):
     """Phase 1 of :func:`solve_one` for direction u: the closed-form start (bisection along the
     ray) and the loop's initial state. Returns (ctx, state): ctx the closed form's arrays and
     the scale n0, state :func:`~.lagrangian.adam_start`'s."""
     dtype = X.dtype
-    w_cf, ray, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
-    log_cf, cf_feasible = closed_form_start(ray, st["target"], dtype, st.get("bisect_iters", 40))
+    w_cf, ray, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(settings))
+    log_cf, cf_feasible = closed_form_start(ray, settings.target, dtype, settings.bisect_iters)
     alpha_cf = jnp.exp(log_cf)
     wn = jnp.linalg.norm(w_cf)
     n0 = alpha_cf * wn
     cf_align = ray(log_cf)
     w_hat = w_cf / wn
     u0, w0 = (reduced["u_red"], reduced["Bm"].T @ w_hat) if reduced is not None else (u, w_hat)
-    params = initial_params(st["param"], n0, w0, u0, st["rank"], key, dtype)    # same effect on every token
-    _, constraints, opt = _align_loop(align_params, n0, **_loop_kw(st))
+    params = initial_params(settings.param, n0, w0, u0, settings.rank, key, dtype)    # same effect on every token
+    _, constraints, opt = _align_loop(align_params, n0, **_loop_kw(settings))
     ctx = {"closed_alpha": alpha_cf, "closed_w": w_cf, "closed_norm": n0, "closed_alignment": cf_align,
            "closed_feasible": cf_feasible}
     return ctx, adam_start(constraints, params, opt)
 
 
-def align_advance(layers, X, valid, R, positions, pm, i0, stop, u, key, ctx, state, *, n: int, **st):
+def align_advance(layers, X, valid, R, positions, pm, i0, stop, u, key, ctx, state, *, n: int,
+                  settings: AlignSettings):
     """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state``, those >= ``stop`` left undone
     (:func:`~.lagrangian.adam_steps`)."""
-    _, _, align_params, _ = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
-    size, constraints, opt = _align_loop(align_params, ctx["closed_norm"], **_loop_kw(st))
-    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
-                      tol=st["tol"], stop=stop)
+    _, _, align_params, _ = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(settings))
+    size, constraints, opt = _align_loop(align_params, ctx["closed_norm"], **_loop_kw(settings))
+    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=settings.mu, dual_every=settings.dual_every,
+                      tol=settings.tol, stop=stop)
 
 
-def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_aux, hist_size, **st):
+def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_aux, hist_size, *,
+                 settings: AlignSettings):
     """Phase 3: the best feasible iterate as factors of dO, with the closed form and the histories
     (a dict of arrays, see :class:`SteeringResult`)."""
-    _, _, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(st))
+    _, _, align_params, reduced = _align_problem(layers, X, valid, u, R, positions, pm, **_problem_kw(settings))
     n0 = ctx["closed_norm"]
-    size, constraints, _ = _align_loop(align_params, n0, **_loop_kw(st))
-    sol = adam_finish(size, constraints, state, mu=st["mu"], tol=st["tol"])
+    size, constraints, _ = _align_loop(align_params, n0, **_loop_kw(settings))
+    sol = adam_finish(size, constraints, state, mu=settings.mu, tol=settings.tol)
     best_p = sol["params"]
     found = jnp.isfinite(sol["size"])
     if reduced is not None:   # lift: P = [Bp0, q_hat] P~ (without forming the per-direction basis)
@@ -223,7 +259,7 @@ def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_au
         best_p = {"P": reduced["Bp0"] @ Pr[:-1] + reduced["q_hat"][:, None] * Pr[-1:], "Q": reduced["Bm"] @ best_p["Q"]}
     # dO = factor_P factor_Q^T, returned as factors: the dense (d, H e) matrix of every
     # direction would dominate the run's memory traffic (SteeringResult.delta_O forms it)
-    fP, fQ = edit_factors(best_p, u, n0, st["param"])
+    fP, fQ = edit_factors(best_p, u, n0, settings.param)
     return {
         "factor_P": jnp.where(found, fP, jnp.nan), "factor_Q": jnp.where(found, fQ, jnp.nan),
         "norm": jnp.where(found, factor_norm(fP, fQ), jnp.nan),
@@ -234,19 +270,14 @@ def align_finish(layers, X, valid, R, positions, pm, u, key, ctx, state, hist_au
     }
 
 
-def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: int, tail: Sequence[int],
-              rule: str, attention: str,
-              keep_bias: bool, target: float, reduce: str, param: str, rank: int, steps: int, lr: float,
-              mu: float, dual_every: int, tol: float, w_kind: str, bisect_iters: int = 40,
-              lr_floor: float = 0.05, signed: bool = True, optimizer=None):
-    """Optimise one direction u (d,) (unit), all the steps in one program. R: pinv(V^T) (H e, d)
-    for w_kind 'inverse', else V (H e, d). ``optimizer``: an optax transformation (default
-    :func:`~.lagrangian.default_optimizer` of lr, steps, lr_floor).
+def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, settings: AlignSettings):
+    """Optimise one direction u (d,) (unit), all the steps in one program, with the static
+    :class:`AlignSettings`. R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
 
     ``pm`` (see :func:`last_layer_terms`): when the steered layer is the last step under
     rule ``paper``, its unsteered pre-norm output p (B, n, d) and head mix m (B, n, H e)
-    (neither depends on W_o), with the bases Bp, Bm of the reduced problem; the final tokens are then N2(y), y = p + dO m, and N2 does not change the
-    angle, so cos(y, u) needs only y.u and ||y||^2. For dO = n0 P Q^T, with a = n0 m Q:
+    (neither depends on W_o), with the bases Bp, Bm of the reduced problem; the final tokens
+    are then N2(y), y = p + dO m, and N2 does not change the angle, so cos(y, u) needs only y.u and ||y||^2. For dO = n0 P Q^T, with a = n0 m Q:
 
         y.u = p.u + a (P^T u),   ||y||^2 = ||p||^2 + 2 a.(p P) + a (P^T P) a^T
 
@@ -257,33 +288,29 @@ def solve_one(layers, X, valid, u, key, R, positions=None, pm=None, *, layer: in
     The three phases (:func:`align_start`, :func:`align_advance`, :func:`align_finish`) are
     what :func:`solve_in_chunks` runs from the host, the steps in chunks. Returns a dict of
     arrays (see :class:`SteeringResult`)."""
-    st = dict(layer=layer, tail=tail, rule=rule, attention=attention, keep_bias=keep_bias, target=target,
-              reduce=reduce, param=param, rank=rank, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
-              w_kind=w_kind, bisect_iters=bisect_iters, lr_floor=lr_floor, signed=signed, optimizer=optimizer)
     shared = (layers, X, valid, R, positions, pm)
-    ctx, state = align_start(*shared, u, key, **st)
-    state, (hist_aux, hist_size) = align_advance(*shared, 0, None, u, key, ctx, state, n=steps, **st)
-    return align_finish(*shared, u, key, ctx, state, hist_aux, hist_size, **st)
+    ctx, state = align_start(*shared, u, key, settings=settings)
+    state, (hist_aux, hist_size) = align_advance(*shared, 0, None, u, key, ctx, state, n=settings.steps,
+                                                 settings=settings)
+    return align_finish(*shared, u, key, ctx, state, hist_aux, hist_size, settings=settings)
 
 
-_STATIC = ("layer", "tail", "rule", "attention", "keep_bias", "target", "reduce", "param", "rank", "steps",
-           "lr", "mu", "dual_every", "tol", "w_kind", "bisect_iters", "signed", "optimizer")
-solve_one_jit = jax.jit(solve_one, static_argnames=_STATIC)
+solve_one_jit = jax.jit(solve_one, static_argnames=("settings",))
 
 
-def solve_many(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
+def solve_many(layers, X, valid, U, keys, R, positions=None, pm=None, *, settings: AlignSettings):
     """:func:`solve_one` vmapped over directions U (K, d) and keys (K, 2)."""
-    return jax.vmap(lambda u, k: solve_one(layers, X, valid, u, k, R, positions, pm, **static))(U, keys)
+    return jax.vmap(lambda u, k: solve_one(layers, X, valid, u, k, R, positions, pm, settings=settings))(U, keys)
 
 
-solve_many_jit = jax.jit(solve_many, static_argnames=_STATIC)
+solve_many_jit = jax.jit(solve_many, static_argnames=("settings",))
 
 
-def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, **static):
+def solve_many_sharded(layers, X, valid, U, keys, R, positions=None, pm=None, *, settings: AlignSettings):
     """:func:`solve_one` over directions U (K, d) and keys (K, 2), the directions split evenly
     over all devices (:func:`~powerlens._src.dynamics.execution.map_systems`: K padded to a multiple
     of the device count, the padding dropped), everything else given whole to each device."""
-    return map_targets(solve_one, 3, (layers, X, valid, R, positions, pm), (U, keys), static)
+    return map_targets(solve_one, 3, (layers, X, valid, R, positions, pm), (U, keys), {"settings": settings})
 
 
 # ------------------------------------------------------------------ public API
@@ -622,9 +649,10 @@ def _optimize_keywords(model_or_layers, x0, targets, *, objective: str = "alignm
     R = jnp.asarray(R, dtype)
     U = jnp.asarray(D, dtype)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(D))
-    kw = dict(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target, reduce=reduce,
-              param=param, rank=int(rank), steps=int(steps), lr=float(lr), mu=float(mu),
-              dual_every=int(dual_every), tol=float(tol), w_kind=w, signed=bool(signed), optimizer=optimizer)
+    settings = AlignSettings(layer=l, tail=tail, rule=rule, attention=attention, keep_bias=kb, target=target,
+                             reduce=reduce, param=param, rank=int(rank), steps=int(steps), lr=float(lr),
+                             mu=float(mu), dual_every=int(dual_every), tol=float(tol), w_kind=w,
+                             signed=bool(signed), optimizer=optimizer)
     pm = None
     if rule == "paper" and tail == (l,):
         pm = last_layer_terms(layers, X, vb, l, kb, attention, positions)
@@ -636,9 +664,10 @@ def _optimize_keywords(model_or_layers, x0, targets, *, objective: str = "alignm
                 for v in np.asarray(aux[:, -1], np.float64):
                     sink.step(i - 1, float(v), float("nan"), float(target))
         out = solve_in_chunks((align_start, align_advance, align_finish), (layers, X, vb, R, positions, pm),
-                              (U, keys), kw, steps=int(steps), report=report)
+                              (U, keys), {"settings": settings}, steps=int(steps), report=report)
     else:
-        outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, pm, **kw) for i in range(len(D))]
+        outs = [solve_one_jit(layers, X, vb, U[i], keys[i], R, positions, pm, settings=settings)
+                for i in range(len(D))]
         out = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     out = jax.tree_util.tree_map(np.asarray, out)
     return SteeringResult(directions=D, target=target, reduce=reduce, param=param, rank=int(rank), layer=l,

@@ -46,10 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from ..dynamics.layer import full_attention_input, full_block
@@ -225,55 +227,83 @@ def _scores(model, pre, valid, last, base_logp, target_id, log_target, edit, *, 
     return token_constraints(model_logits(model, h), target_id, log_target, base_logp, max_kl, n_prompts)
 
 
-def _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, *, layer: int, tail: tuple,
-                n_prompts: int, param: str, max_kl: float, steps: int, lr: float, lr_floor: float = 0.05,
-                optimizer=None, **_):
+@dataclasses.dataclass(frozen=True)
+class TokenSettings:
+    """Everything static about one token-steering loop, as one hashable value (the one ``jit``
+    static argument of :func:`solve_token_one`, its phases and :func:`token_adam`).
+
+    layer: the edited unique layer; tail: the steps the edit reaches
+    (:func:`edit_dependent_steps`); n_prompts: the prompts (the rest of the batch are the
+    controls); param, rank: the edit (``lowrank`` of rank r, ``w_alpha``, ``activation``);
+    max_kl: the control-KL bound (nats); w_kind: the closed-form w (``inverse`` or ``value``);
+    steps, lr, lr_floor, optimizer: the optimiser (default Adam on a cosine decay from lr to
+    lr_floor lr); mu, dual_every, tol: the augmented Lagrangian; bisect_iters: the bisections
+    of the ray start and of :func:`boundary_scale`."""
+
+    layer: int
+    tail: Tuple[int, ...]
+    n_prompts: int
+    param: str
+    max_kl: float
+    steps: int
+    lr: float
+    mu: float
+    dual_every: int
+    tol: float
+    rank: int = 1
+    w_kind: str = "value"
+    bisect_iters: int = 30
+    lr_floor: float = 0.05
+    optimizer: Optional[optax.GradientTransformation] = None
+
+
+def _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, settings: TokenSettings):
     """(score, size, constraints, optimiser) of one target's Adam loop with scale n0: score(edit)
     = :func:`token_constraints` of an edit, size = ||E||^2 / n0^2, constraints(params) = (g,
     min_b log p(t | b))."""
-    score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=layer,
-                              param=param, tail=tail, max_kl=max_kl, n_prompts=n_prompts)
+    s = settings
+    param = s.param
+    score = functools.partial(_scores, model, pre, valid, last, base_logp, target_id, log_target, layer=s.layer,
+                              param=param, tail=s.tail, max_kl=s.max_kl, n_prompts=s.n_prompts)
 
     def constraints(p):
         g, lp_t, _ = score(edit_of(learned(p, param), u, n0, param))
         return g, jnp.min(lp_t)
 
-    opt = default_optimizer(lr, steps, lr_floor) if optimizer is None else optimizer
+    opt = default_optimizer(s.lr, s.steps, s.lr_floor) if s.optimizer is None else s.optimizer
     return score, (lambda p: edit_size(learned(p, param), n0, param)), constraints, opt
 
 
-def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params0, n0, *, layer: int, tail: tuple,
-               n_prompts: int, param: str, max_kl: float, steps: int, lr: float, mu: float, dual_every: int,
-               tol: float, lr_floor: float = 0.05, optimizer=None) -> dict:
+def token_adam(model, pre, valid, last, base_logp, u, target_id, log_target, params0, n0, *,
+               settings: TokenSettings) -> dict:
     """The Adam loop of one target from ``params0`` with scale n0, all steps in one scan:
     :func:`~.lagrangian.constrained_adam` over :func:`token_constraints` (aux: min_b log p(t | b)).
     Returns constrained_adam's dict."""
-    _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0,
-                                            layer=layer, tail=tail, n_prompts=n_prompts, param=param, max_kl=max_kl,
-                                            steps=steps, lr=lr, lr_floor=lr_floor, optimizer=optimizer)
-    return constrained_adam(size, constraints, params0, steps=steps, lr=lr, mu=mu, dual_every=dual_every, tol=tol,
-                            lr_floor=lr_floor, optimizer=opt)
+    s = settings
+    _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, s)
+    return constrained_adam(size, constraints, params0, steps=s.steps, lr=s.lr, mu=s.mu, dual_every=s.dual_every,
+                            tol=s.tol, lr_floor=s.lr_floor, optimizer=opt)
 
 
-def token_start(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, **st):
+def token_start(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *, settings: TokenSettings):
     """Phase 1 of :func:`solve_token_one`: the closed-form start along the ray (module
     docstring) and the loop's initial state. Returns (ctx, state): ctx the closed form's
     arrays and the scale n0 (``closed_norm``), state :func:`~.lagrangian.adam_start`'s."""
     X = pre["X"]
     dtype = X.dtype
-    param, layer = st["param"], st["layer"]
-    score, _, _, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, None, **st)
+    param, layer = settings.param, settings.layer
+    score, _, _, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, None, settings)
     if param == "activation":
         w_hat, wn = None, jnp.asarray(1.0, dtype)
         ray_edit = lambda log_a: jnp.exp(log_a) * u
     else:
         w_cf = R @ u
-        w_cf = w_cf / jnp.linalg.norm(w_cf) if st["w_kind"] == "value" else w_cf
+        w_cf = w_cf / jnp.linalg.norm(w_cf) if settings.w_kind == "value" else w_cf
         wn = jnp.linalg.norm(w_cf)
         w_hat = w_cf / wn
         ray_edit = lambda log_a: ((jnp.exp(log_a) * u)[:, None], w_cf[:, None])
     min_logp = lambda log_a: jnp.min(score(ray_edit(log_a))[1])
-    log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, st.get("bisect_iters", 30))
+    log_cf, cf_feasible = ray_start(min_logp, log_target, dtype, settings.bisect_iters)
     alpha_cf = jnp.exp(log_cf)
     _, cf_lp, cf_kl = score(ray_edit(log_cf))
     # where the ray never gets there its best point may be a vanishing edit: the edit's scale
@@ -281,36 +311,36 @@ def token_start(model, pre, valid, last, base_logp, R, u, target_id, log_target,
     floor = 0.1 * (jnp.sqrt(jnp.mean(jnp.sum(X * X, -1))) if param == "activation"
                    else jnp.linalg.norm(model.layers.W_o[layer]))
     n0 = jnp.where(cf_feasible, alpha_cf * wn, jnp.maximum(alpha_cf * wn, floor))
-    params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, st["rank"], key, dtype)
-    _, _, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, **st)
+    params = {"s": u} if param == "activation" else initial_params(param, n0, w_hat, u, settings.rank, key, dtype)
+    _, _, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, settings)
     ctx = {"closed_alpha": alpha_cf, "closed_norm": n0, "closed_target_prob": jnp.exp(cf_lp),
            "closed_control_kl": cf_kl, "closed_feasible": cf_feasible}
     return ctx, adam_start(constraints, params, opt)
 
 
 def token_advance(model, pre, valid, last, base_logp, R, i0, stop, u, target_id, log_target, key, ctx, state, *,
-                  n: int, **st):
+                  n: int, settings: TokenSettings):
     """Phase 2: Adam steps i0 .. i0 + n - 1 from ``state``, those >= ``stop`` left undone
     (:func:`~.lagrangian.adam_steps`)."""
     _, size, constraints, opt = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target,
-                                            ctx["closed_norm"], **st)
-    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=st["mu"], dual_every=st["dual_every"],
-                      tol=st["tol"], stop=stop)
+                                            ctx["closed_norm"], settings)
+    return adam_steps(size, constraints, state, i0, n, optimizer=opt, mu=settings.mu, dual_every=settings.dual_every,
+                      tol=settings.tol, stop=stop)
 
 
 def token_finish(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, ctx, state, hist_aux,
-                 hist_size, **st):
+                 hist_size, *, settings: TokenSettings):
     """Phase 3: the best feasible iterate moved to the boundary (:func:`boundary_scale`) and
     measured, with the closed form and the histories (a dict of arrays, see
     :class:`TokenSteeringResult`)."""
     dtype = pre["X"].dtype
-    param, tol = st["param"], st["tol"]
+    param, tol = settings.param, settings.tol
     n0 = ctx["closed_norm"]
-    score, size, constraints, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, **st)
-    sol = adam_finish(size, constraints, state, mu=st["mu"], tol=tol)
+    score, size, constraints, _ = _token_loop(model, pre, valid, last, base_logp, u, target_id, log_target, n0, settings)
+    sol = adam_finish(size, constraints, state, mu=settings.mu, tol=tol)
     found = jnp.isfinite(sol["size"])
     best = edit_of(sol["params"], u, n0, param)
-    shrink = jnp.where(found, boundary_scale(score, best, tol=tol, iters=st.get("bisect_iters", 30), dtype=dtype),
+    shrink = jnp.where(found, boundary_scale(score, best, tol=tol, iters=settings.bisect_iters, dtype=dtype),
                        1.0)
     edit = scaled(best, shrink)
     _, lp_t, kl = score(edit)
@@ -329,27 +359,23 @@ def token_finish(model, pre, valid, last, base_logp, R, u, target_id, log_target
 TOKEN_PHASES = (token_start, token_advance, token_finish)
 
 
-def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *, layer: int, tail: tuple,
-                    n_prompts: int, param: str, rank: int, max_kl: float, steps: int, lr: float, mu: float,
-                    dual_every: int, tol: float, w_kind: str, bisect_iters: int = 30, lr_floor: float = 0.05,
-                    optimizer=None):
-    """One target (module docstring), all the steps in one program: u (d,) unit, target_id,
-    log_target = log(target_prob). ``pre``: :func:`prepare_states`; ``tail``:
-    :func:`edit_dependent_steps`. R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
+def solve_token_one(model, pre, valid, last, base_logp, R, u, target_id, log_target, key, *,
+                    settings: TokenSettings):
+    """One target (module docstring), all the steps in one program, with the static
+    :class:`TokenSettings`: u (d,) unit, target_id, log_target = log(target_prob). ``pre``:
+    :func:`prepare_states`. R: pinv(V^T) (H e, d) for w_kind 'inverse', else V (H e, d).
     The phases :data:`TOKEN_PHASES` are what :func:`~.lagrangian.solve_in_chunks` runs from the
     host. Returns a dict of arrays (see :class:`TokenSteeringResult`)."""
-    st = dict(layer=layer, tail=tail, n_prompts=n_prompts, param=param, rank=rank, max_kl=max_kl, steps=steps,
-              lr=lr, mu=mu, dual_every=dual_every, tol=tol, w_kind=w_kind, bisect_iters=bisect_iters,
-              lr_floor=lr_floor, optimizer=optimizer)
     shared = (model, pre, valid, last, base_logp, R)
     one = (u, target_id, log_target, key)
-    ctx, state = token_start(*shared, *one, **st)
-    state, (hist_aux, hist_size) = token_advance(*shared, 0, None, *one, ctx, state, n=steps, **st)
-    return token_finish(*shared, *one, ctx, state, hist_aux, hist_size, **st)
+    ctx, state = token_start(*shared, *one, settings=settings)
+    state, (hist_aux, hist_size) = token_advance(*shared, 0, None, *one, ctx, state, n=settings.steps,
+                                                 settings=settings)
+    return token_finish(*shared, *one, ctx, state, hist_aux, hist_size, settings=settings)
 
 
-def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_targets, keys, progress: bool = False,
-                     **static):
+def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_targets, keys, *,
+                     settings: TokenSettings, progress: bool = False):
     """:func:`solve_token_one` for K targets (U (K, d), ids (K,), log targets (K,), keys (K, 2)):
     compiled, vmapped programs run in chunks of steps from the host, the targets sharded over
     the devices (:func:`~.lagrangian.solve_in_chunks`). ``progress``: report the steps, p(target)
@@ -358,7 +384,7 @@ def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_t
     sink = active_progress() if progress else None
     if sink is not None:
         levels = np.exp(np.asarray(log_targets, np.float64))
-        max_kl = float(static["max_kl"])
+        max_kl = float(settings.max_kl)
 
         def report(i, ctx, state, aux):
             p = np.exp(np.asarray(aux[:, -1], np.float64))
@@ -366,7 +392,7 @@ def solve_token_many(model, pre, valid, last, base_logp, R, U, target_ids, log_t
             for k in range(len(levels)):
                 sink.step(i - 1, float(p[k]), float(kl[k]), float(levels[k]))
     return solve_in_chunks(TOKEN_PHASES, (model, pre, valid, last, base_logp, R), (U, target_ids, log_targets, keys),
-                           static, steps=int(static["steps"]), report=report)
+                           {"settings": settings}, steps=int(settings.steps), report=report)
 
 
 # ------------------------------------------------------------------ public API
@@ -545,10 +571,11 @@ def optimize_token(model, x0, targets, *, valid=None, layer: int = -1, rank: int
     R = jnp.asarray(inverse_map(Vc, l) if w_kind == "inverse" else Vc, dtype)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(ids))
     out = solve_token_many(model, pre, V_all, last, base_logp, R, jnp.asarray(U, dtype), jnp.asarray(ids, jnp.int32),
-                           jnp.asarray(np.log(levels), dtype), keys, layer=l, tail=tail, n_prompts=B, param=param,
-                           rank=int(rank), max_kl=float(max_kl), steps=int(steps), lr=float(lr), mu=float(mu),
-                           dual_every=int(dual_every), tol=float(tol), w_kind=w_kind, progress=progress,
-                           optimizer=optimizer)
+                           jnp.asarray(np.log(levels), dtype), keys, progress=progress,
+                           settings=TokenSettings(layer=l, tail=tail, n_prompts=B, param=param, rank=int(rank),
+                                                  max_kl=float(max_kl), steps=int(steps), lr=float(lr),
+                                                  mu=float(mu), dual_every=int(dual_every), tol=float(tol),
+                                                  w_kind=w_kind, optimizer=optimizer))
     out = jax.tree_util.tree_map(np.asarray, out)
     return TokenSteeringResult(target_ids=ids, directions=U, target_prob_level=np.asarray(levels, np.float64),
                                max_kl=float(max_kl), param=param, rank=1 if param == "activation" else int(rank),
