@@ -73,7 +73,7 @@ _EXPORTS = {
     **{n: ("powerlens._src.models.npz", n) for n in ("load_weights_npz", "save_weights_npz")},   # --weights files
     **{n: ("powerlens._src.models.generate", n) for n in ("generate", "Generation")},
     **{n: ("powerlens._src.models.shard", n) for n in ("shard", "shard_prompts")},
-    "model_mesh": ("powerlens._src.dynamics.execution", "model_mesh"),
+    **{n: ("powerlens._src.dynamics.execution", n) for n in ("model_mesh", "host_array")},
     **{n: ("powerlens._src.models.tokens", n) for n in ("decode", "top_tokens", "TopToken")},
     # analysis: spectra, statistics, alignment of a model
     **{n: ("powerlens._src.analysis", n) for n in (
@@ -114,7 +114,7 @@ if TYPE_CHECKING:        # what IDEs and type checkers see: the names of _EXPORT
     from ._src.models.npz import (load_weights_npz, save_weights_npz)
     from ._src.models.generate import (generate, Generation)
     from ._src.models.shard import (shard, shard_prompts)
-    from ._src.dynamics.execution import (model_mesh)
+    from ._src.dynamics.execution import (host_array, model_mesh)
     from ._src.models.tokens import (decode, top_tokens, TopToken)
     from ._src.analysis import (align_model as align, align_model, AlignResult, binomial_pvalue, chance_gamma,
         chance_gamma_std, layer_spectra, LayerSpectrum, model_spectra, ORDERS, plots, random_subspace,

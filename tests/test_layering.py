@@ -43,7 +43,7 @@ PACKAGE = "powerlens"
 
 TOP = 5
 LEVELS = {"_src": 0, "io": 0, "lazy": 0, "dynamics": 1, "models": 2, "analysis": 3, "steering": 4,
-          "reproduce": TOP, "commands": TOP, "cli": TOP, "sweeps": TOP,
+          "reproduce": TOP, "commands": TOP, "cli": TOP, "distributed": TOP, "sweeps": TOP,
           "runtime": TOP}           # process concerns; who may import it: tests/test_runtime_package.py
 FACADE = "__init__"           # the unit of the package's own __init__.py
 PRIVATE = "_src"              # the implementation package: every module but the facade and cli

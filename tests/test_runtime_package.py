@@ -31,7 +31,7 @@ NAMES = re.compile(r"\bsched_(set|get)affinity\b|\bjax\.distributed\b|\bthreadpo
 STRINGS = re.compile(r"(OPENBLAS|OMP|MKL|GOTO|VECLIB)_NUM_THREADS|multi_thread_eigen|intra_op|inter_op|"
                      r"compilation_cache|persistent_cache|cpu_collectives|POWERLENS_XLA_THREADS", re.IGNORECASE)
 
-ENTRY_POINTS = ("powerlens.cli", "powerlens._src.commands", "powerlens._src.reproduce.workers", "powerlens._src.runtime")
+ENTRY_POINTS = ("powerlens.cli", "powerlens.distributed", "powerlens._src.commands", "powerlens._src.reproduce.workers", "powerlens._src.runtime")
 RUNTIME_MAY_IMPORT = ("powerlens._src.io", "powerlens._src.dynamics.execution", "powerlens._src.runtime")
 
 
@@ -115,7 +115,9 @@ def test_runtime_is_imported_by_the_entry_points_only():
 
 def test_importing_runtime_imports_no_numerical_library():
     code = ("import sys, powerlens._src.runtime.cache, powerlens._src.runtime.distributed, powerlens._src.runtime.threads, "
-            "powerlens._src.runtime.workers; print(sorted(m for m in ('jax', 'numpy', 'scipy') if m in sys.modules))")
+            "powerlens._src.runtime.workers, powerlens.distributed; "
+            "assert powerlens.distributed.initialize is powerlens._src.runtime.distributed.initialize; "
+            "print(sorted(m for m in ('jax', 'numpy', 'scipy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-2000:]

@@ -355,9 +355,9 @@ failure: the handshake already found every process there)."""
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, *, timeout: float = 60.0) -> bool:
-    """Start this process's part of a multi-process sweep; False if there is only one process.
-    The caller (the command line) starts XLA after it, with
-    :func:`powerlens._src.runtime.threads.start_xla`.
+    """Start this process's part of a multi-process run (a sweep, or a user's own multi-host
+    script: public as ``powerlens.distributed.initialize``); False if there is only one process.
+    The command line starts XLA after it, with :func:`powerlens._src.runtime.threads.start_xla`.
 
     With a coordinator (given, or from ``JAX_COORDINATOR_ADDRESS``), the processes first meet
     at its address (:func:`rendezvous`), so that a mismatch is a ValueError naming the address
