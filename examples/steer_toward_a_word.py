@@ -6,7 +6,7 @@ F' = F + α u zᵀ with z = V_catᵀ w. α is not searched: under the `paper` ru
 output of the steered layer is y_i ∝ p_i + α s_i u with p_i, s_i computable from the
 tokens entering it, so cos(y_i, u) = (b_i + α s_i) / sqrt(p⊥_i² + (b_i + α s_i)²) and the
 smallest α giving every token cos >= --target has a closed form
-(powerlens._src.steering.alignment_alpha). A token with s_i < 0 turns away from u as α grows;
+(pl.alignment_alpha). A token with s_i < 0 turns away from u as α grows;
 then (--sign auto) the target is put on the sign-free |cos|, the paper's alignment γ.
 
 Printed: α, ||ΔO||_F, the predicted (α z·u + zᵀFu / z·u) and exact top eigenvalue of F',

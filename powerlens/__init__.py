@@ -64,6 +64,7 @@ _EXPORTS = {
     "load_sweep": ("powerlens._src.sweeps.api", "load_sweep"),
     "sweep_system": ("powerlens._src.sweeps.api", "sweep_system"),
     "SweepSystem": ("powerlens._src.sweeps.api", "SweepSystem"),
+    "systems_from_layers": ("powerlens._src.sweeps.systems", "from_layers"),   # a custom sweep builder's result
     "fit_rates": ("powerlens._src.sweeps.columns", "fit_rates"),
     # models: checkpoints, embeddings, the model's own forward pass
     **{n: ("powerlens._src.models", n) for n in (
@@ -107,6 +108,7 @@ if TYPE_CHECKING:        # what IDEs and type checkers see: the names of _EXPORT
     from ._src.dynamics.observers import (attention_maps, head_weights, labelled)
     from ._src.dynamics.sweep import (simulate_sweep, stack_systems)
     from ._src.sweeps.api import (load_sweep, sweep, sweep_system, SweepSystem)
+    from ._src.sweeps.systems import (from_layers as systems_from_layers)
     from ._src.sweeps.columns import (fit_rates)
     from ._src.models import (CheckpointError, embed, embed_ids, hidden_states, load, logits, Model, ModelInfo,
         resolve, run_states, tokenize)
