@@ -464,7 +464,7 @@ def main(argv=None) -> int:
         kept = "finished chunks are kept" if args.command in ("reproduce", "sweep") else "nothing was written"
         print(f"powerlens {args.command}: interrupted; {kept}", file=sys.stderr)
         from ._src.runtime.workers import exit_status
-        return exit_status(exc)
+        return _leave(exit_status(exc))
     except Exception as exc:                    # every failure is one line, exit 2 (--debug: the traceback)
         if debug:
             raise
@@ -473,7 +473,15 @@ def main(argv=None) -> int:
         else:
             message = describe_failure(exc) + " (run with --debug for the traceback)"
         print(f"powerlens {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        return _leave(2)
+
+
+def _leave(status: int) -> int:
+    """``status``; a failed process of a multi-process run ends here instead, without the exit
+    handler of jax.distributed that would wait for the others (:func:`leave_on_failure`)."""
+    from ._src.runtime.distributed import leave_on_failure
+    leave_on_failure(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -273,3 +273,25 @@ def test_a_process_id_given_twice_stops_process_0_and_both_others():
     message = (f"--coordinator {address}: two processes were started with --process-id 1: "
                "expected each of 0 .. 2 on one process only")
     assert failures == [message] and replies == [f"powerlens-sweep error {message}"] * 2, (failures, replies)
+
+
+def test_a_process_that_fails_after_the_start_ends_at_once(spec, tmp_path):
+    """A process of a started run that fails (here process 1, whose spec differs from the one
+    process 0 marked the folder with) prints its one-line error and exits 2 at once: it does not
+    run jax.distributed's exit handler, which would wait for process 0 for ever (the launcher
+    of --processes then stops the others)."""
+    other = tmp_path / "other.toml"
+    other.write_text(SPEC.replace("steps = 5", "steps = 6"))
+    address = _address()
+    out = tmp_path / "out"
+    with _started() as procs:
+        procs.append(_sweep(spec, out, address, 2, 0, 30))
+        procs.append(_sweep(str(other), out, address, 2, 1, 30))
+        code, err = _outcome(procs[1], time.monotonic() + WAIT)
+    assert code == 2, err
+    assert len(err) == 1 and "different spec" in err[0] and "steps" in err[0], err
+
+
+def test_leave_on_failure_does_nothing_in_a_single_process():
+    distributed.leave_on_failure(3)           # no jax.distributed here: it returns
+    assert main(["sweep", "/nonexistent/spec.toml", "--out", "/tmp/x"]) == 2

@@ -302,3 +302,31 @@ def test_a_checkpoint_with_other_weights_and_a_restored_mtime_is_another_checkpo
     ident = systems._file_identity(str(weights), reads.append)
     assert ident["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert max(reads) <= 1000 and sum(reads) == os.path.getsize(weights)
+
+
+def test_files_written_by_another_process_during_the_scan_are_not_foreign(tmp_path, monkeypatch):
+    """Process 0 of a sweep may list and write files while another process checks the folder:
+    a ledger, a chunk folder and a chunk that appear between the lists' read and the folder's
+    scan are powerlens's (each was listed before it was written), not the user's; a user's file
+    that appears then is still foreign."""
+    out = tmp_path / "out"
+    out.mkdir()
+    io.mark_resumable(str(out), "sweep", {"spec": {}}, files=["results.parquet"], folders=[".chunks"])
+    real = io.Contents.read
+    calls = []
+
+    def read_then_write(folder):
+        got = real(folder)
+        if not calls:                                   # between the first read and the scan
+            io.claim(folder, ".chunks/KEY/")
+            (out / ".chunks" / "KEY").mkdir(parents=True)
+            io.write_text(io.claim(folder, ".chunks/KEY/c0.json"), "{}")
+        calls.append(folder)
+        return got
+
+    monkeypatch.setattr(io.Contents, "read", staticmethod(read_then_write))
+    assert list(io.foreign_entries(str(out))) == []
+    calls.clear()
+    monkeypatch.setattr(io.Contents, "read", staticmethod(real))
+    (out / "notes.txt").write_text("mine")
+    assert list(io.foreign_entries(str(out))) == ["notes.txt"]

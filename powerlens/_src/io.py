@@ -301,13 +301,35 @@ def write_marker(folder: str, command: str, settings: Optional[dict] = None, *, 
 
 
 def foreign_entries(folder: str) -> Iterator[str]:
-    """The entries of ``folder`` that powerlens did not write, as relative paths, sorted, lazily.
+    """The entries of ``folder`` that powerlens did not write, as relative paths, sorted.
 
     That is every file its marker and ledgers do not list (everything, without a marker), every
     symlink (powerlens writes none, and none is followed), anything that is not a plain file,
     and every folder they do not reach: its files, or ``NAME/`` when it is empty.
+
+    Another process of the same run may write the folder meanwhile (process 0 of a sweep while
+    the others look at it). Each file is listed before it is written (:func:`claim`), so what
+    looks foreign against the lists read before the scan is checked again against the lists
+    read after it: a ledger, chunk or subfolder that appeared during the scan is not taken for
+    the user's, and one that is gone again was not.
     """
-    return _foreign(folder, "", Contents.read(folder))
+    first = list(_foreign(folder, "", Contents.read(folder)))
+    if not first:
+        return iter(())
+    again = Contents.read(folder)
+    return iter([rel for rel in first if _still_foreign(folder, rel, again)])
+
+
+def _still_foreign(folder: str, rel: str, contents: "Contents") -> bool:
+    """Whether ``rel`` (a file, or a folder ``NAME/``) is still there and still not powerlens's."""
+    path = os.path.join(folder, *rel.rstrip("/").split("/"))
+    if not os.path.lexists(path):
+        return False
+    if os.path.islink(path):
+        return True
+    if rel.endswith("/"):
+        return not contents.owns_dir(rel[:-1])
+    return not (os.path.isfile(path) and contents.owns_file(rel))
 
 
 def _foreign(folder: str, rel: str, contents: Contents) -> Iterator[str]:

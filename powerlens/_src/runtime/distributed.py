@@ -24,6 +24,7 @@ import math
 import os
 import selectors
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -346,6 +347,31 @@ def from_environment() -> Optional[dict]:
         if int(env.get(count, "1") or 1) > 1:
             return {}                           # jax.distributed.initialize detects the rest
     return None
+
+
+def leave_on_failure(status: int) -> None:
+    """End this process now, with ``status``, if it is a started process of a multi-process
+    run (``jax.distributed``); otherwise do nothing.
+
+    A process that failed must not run Python's exit handlers: jax.distributed's waits at a
+    shutdown barrier for every other process, and they wait for this one at their next
+    collective, so the run would hang until killed instead of ending with the failure (the
+    launcher of ``--processes`` stops the others when one exits). The standard streams are
+    flushed first, so the one-line error is seen."""
+    if "jax" not in sys.modules:
+        return
+    try:
+        from jax._src.distributed import global_state
+        started = global_state.client is not None
+    except Exception:                           # another jax: no way to tell, exit as usual
+        return
+    if started:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
 
 
 JAX_MIN_TIMEOUT = 5

@@ -233,9 +233,9 @@ def spawn(argv: Sequence[str], n: int, *, quiet_others: bool = True) -> int:
                 print(f"powerlens sweep: {n} workers on 127.0.0.1:{port}, "
                       f"pids {' '.join(str(p.pid) for p in procs)}", flush=True)
             while failed is None and any(p.poll() is None for p in procs):
-                failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                failed = _first_failure(procs)
                 time.sleep(0.1)
-            failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+            failed = _first_failure(procs)
     except BaseException:                           # Ctrl-C, Interrupted (SIGTERM, SIGHUP), a failed start
         _stop(procs)
         raise
@@ -251,6 +251,14 @@ def spawn(argv: Sequence[str], n: int, *, quiet_others: bool = True) -> int:
               f"run the same command again to resume", file=sys.stderr, flush=True)
         return code if code > 0 else 1
     return 0
+
+
+def _first_failure(procs: List[subprocess.Popen]) -> Optional[int]:
+    """The index of the worker whose failure to report, or None: a worker killed by a signal
+    before one that exited with an error (a worker whose peer was killed fails in its next
+    collective and exits at once; the kill is the cause), else the first that failed."""
+    failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+    return next((i for i in failed if procs[i].returncode < 0), failed[0] if failed else None)
 
 
 def _forward(stream, lock: threading.Lock) -> None:
