@@ -190,6 +190,12 @@ def stop_pool(pool, grace: float = GRACE) -> None:
     procs = dict(getattr(pool, "_processes", None) or {})     # pid -> multiprocessing.Process
     stop(list(procs), alive=lambda p: procs[p].is_alive(), wait=lambda p, t: procs[p].join(t), grace=grace)
     pool.shutdown(wait=False, cancel_futures=True)
+    # let the pool's manager thread finish its clean-up now: at exit, concurrent.futures wakes
+    # it through a pipe that this clean-up closes, and in Python 3.11 the two can race
+    # ("OSError: Bad file descriptor" printed after the one-line message)
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None:
+        manager.join(timeout=grace)
 
 
 # ------------------------------------------------------------------ sweep --processes N
